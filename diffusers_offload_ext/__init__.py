@@ -1,0 +1,28 @@
+"""diffusers-offload-ext: controllable, cheap model CPU offload for diffusers pipelines."""
+
+from ._hook import DeferredCpuOffload, OffloadHandle
+from ._install import install, is_installed, uninstall
+from ._ledger import TransferLedger, TransferRecord, module_nbytes
+from ._mixin import OffloadMixin
+from ._options import OffloadOptions
+from ._policy import END, ChainPolicy, replay
+from ._state import transfer_ledger
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ChainPolicy",
+    "DeferredCpuOffload",
+    "END",
+    "OffloadHandle",
+    "OffloadMixin",
+    "OffloadOptions",
+    "TransferLedger",
+    "TransferRecord",
+    "install",
+    "is_installed",
+    "module_nbytes",
+    "replay",
+    "transfer_ledger",
+    "uninstall",
+]

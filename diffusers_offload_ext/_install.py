@@ -1,0 +1,107 @@
+"""`install()` / `uninstall()`: give every `DiffusionPipeline` the extension's offload, and take it back."""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from diffusers import DiffusionPipeline
+from diffusers.utils import logging
+
+from . import _mixin
+
+logger = logging.get_logger(__name__)
+
+_METHODS = (
+    "enable_model_cpu_offload",
+    "maybe_free_model_hooks",
+    "remove_all_hooks",
+    "to",
+)
+_NOTHING = object()
+
+# What install() changed, so that uninstall() can put it back exactly.
+_saved_methods: dict = {}
+_saved_init_subclass = _NOTHING
+_wrapped_calls: List[Tuple[type, object]] = []
+_installed = False
+
+
+def is_installed() -> bool:
+    """Whether `install()` is in effect."""
+    return _installed
+
+
+def _subclasses(cls: type):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def _wrap_call(cls: type) -> None:
+    call = cls.__dict__.get("__call__")
+    if call is None or getattr(call, _mixin.MARK, None) is not None:
+        return
+    cls.__call__ = _mixin.guard_call(call)
+    _wrapped_calls.append((cls, call))
+
+
+def _init_subclass(cls, **kwargs):
+    if _saved_init_subclass is _NOTHING:
+        super(DiffusionPipeline, cls).__init_subclass__(**kwargs)
+    else:
+        _saved_init_subclass.__get__(None, cls)(**kwargs)
+    _wrap_call(cls)
+
+
+def install() -> None:
+    """Add `exclude_from_offload` and `keep_on_device_during_generation` to every `DiffusionPipeline`.
+
+    Replaces `enable_model_cpu_offload`, `maybe_free_model_hooks`, `remove_all_hooks` and `to` on
+    `DiffusionPipeline`, and wraps the `__call__` of every pipeline class, those imported already and those imported
+    later, so that a call that raises still offloads. Calling it again does nothing; `uninstall()` undoes it.
+
+    Example:
+
+    ```py
+    >>> import diffusers_offload_ext as doe
+
+    >>> doe.install()
+    >>> pipe.enable_model_cpu_offload(exclude_from_offload=["transformer"])
+    ```
+    """
+    global _installed, _saved_init_subclass
+    if _installed:
+        return
+    for name in _METHODS:
+        _saved_methods[name] = DiffusionPipeline.__dict__[name]
+        setattr(DiffusionPipeline, name, getattr(_mixin, name))
+    _saved_init_subclass = DiffusionPipeline.__dict__.get("__init_subclass__", _NOTHING)
+    DiffusionPipeline.__init_subclass__ = classmethod(_init_subclass)
+    for cls in [DiffusionPipeline, *_subclasses(DiffusionPipeline)]:
+        _wrap_call(cls)
+    _installed = True
+    logger.info("diffusers-offload-ext installed on DiffusionPipeline.")
+
+
+def uninstall() -> None:
+    """Undo `install()`: stock methods back on `DiffusionPipeline`, every wrapped `__call__` unwrapped.
+
+    Pipelines that enabled the extension's offload keep their hooks until they re-enable offload, remove the
+    hooks, or are deleted; classes and pipelines created afterwards carry no trace of the extension.
+    """
+    global _installed, _saved_init_subclass
+    if not _installed:
+        return
+    for name, method in _saved_methods.items():
+        setattr(DiffusionPipeline, name, method)
+    _saved_methods.clear()
+    if _saved_init_subclass is _NOTHING:
+        del DiffusionPipeline.__init_subclass__
+    else:
+        DiffusionPipeline.__init_subclass__ = _saved_init_subclass
+    _saved_init_subclass = _NOTHING
+    for cls, call in reversed(_wrapped_calls):
+        cls.__call__ = call
+    _wrapped_calls.clear()
+    _installed = False
+    logger.info("diffusers-offload-ext uninstalled.")

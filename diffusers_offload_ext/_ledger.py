@@ -1,0 +1,141 @@
+"""The transfer ledger: one record per move of a component's weights between the host and the device."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, List, Optional
+
+import torch
+
+ONLOAD = "onload"
+OFFLOAD = "offload"
+DIRECTIONS = (ONLOAD, OFFLOAD)
+
+#: The weights crossed the bus (host-to-device for an onload, device-to-host for an offload).
+COPY = "copy"
+#: An offload that only dropped the device copy because an unchanged host copy was kept (zero-copy eviction).
+DROP = "drop"
+KINDS = (COPY, DROP)
+
+
+def module_nbytes(module: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers of `module` (each tensor counted once)."""
+    total = 0
+    for tensor in module.parameters():
+        total += tensor.numel() * tensor.element_size()
+    for tensor in module.buffers():
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferRecord:
+    """One move of one component.
+
+    Args:
+        component (`str`): The pipeline component that moved (for example `"transformer"`).
+        direction (`str`): `"onload"` (host to execution device) or `"offload"` (back to the host).
+        nbytes (`int`): Bytes of parameters and buffers moved.
+        call_index (`int` or `None`): Index of the pipeline call the move happened in (0 for the first call made
+            after offload was enabled on this pipeline), `None` outside any call (for example at enable time).
+        kind (`str`, defaults to `"copy"`): `"copy"` when the bytes crossed the bus, `"drop"` for an offload that only
+            released the device copy.
+        step (`int` or `None`): Denoising step the move happened in, when known.
+    """
+
+    component: str
+    direction: str
+    nbytes: int
+    call_index: Optional[int]
+    kind: str = COPY
+    step: Optional[int] = None
+
+    @property
+    def copied_bytes(self) -> int:
+        """Bytes that really crossed the bus (0 for a dropping eviction)."""
+        return 0 if self.kind == DROP else self.nbytes
+
+
+class TransferLedger:
+    """The list of moves one pipeline's offloading made, in order.
+
+    Example:
+
+    ```py
+    >>> ledger = doe.transfer_ledger(pipe)
+    >>> pipe("a cat")
+    >>> ledger.summary()["total_bytes"]
+    ```
+    """
+
+    def __init__(self) -> None:
+        self.records: List[TransferRecord] = []
+
+    def append(self, record: TransferRecord) -> None:
+        self.records.append(record)
+
+    def clear(self) -> None:
+        """Forget every record."""
+        self.records.clear()
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self) -> Iterator[TransferRecord]:
+        return iter(self.records)
+
+    def __repr__(self) -> str:
+        return f"TransferLedger({len(self.records)} records, {self.copied_bytes()} bytes copied)"
+
+    def copied_bytes(
+        self, direction: Optional[str] = None, call_index: Optional[int] = ...
+    ) -> int:
+        """Bytes that crossed the bus, optionally only in one `direction` and/or one `call_index`."""
+        return sum(
+            r.copied_bytes
+            for r in self.records
+            if (direction is None or r.direction == direction)
+            and (call_index is ... or r.call_index == call_index)
+        )
+
+    def summary(self) -> dict:
+        """Counts and bytes, in total, per component and per call.
+
+        Returns:
+            `dict`: with keys `onloads`, `offloads`, `onload_bytes`, `offload_bytes` (bytes copied device-to-host),
+            `dropped_bytes` (offloads that only released the device copy), `total_bytes` (bytes that crossed the
+            bus), `per_component` and `per_call` (the same counters keyed by component name and by call index).
+        """
+
+        def empty() -> dict:
+            return {
+                "onloads": 0,
+                "offloads": 0,
+                "onload_bytes": 0,
+                "offload_bytes": 0,
+                "dropped_bytes": 0,
+                "total_bytes": 0,
+            }
+
+        def add(counter: dict, record: TransferRecord) -> None:
+            if record.direction == ONLOAD:
+                counter["onloads"] += 1
+                counter["onload_bytes"] += record.nbytes
+            else:
+                counter["offloads"] += 1
+                if record.kind == DROP:
+                    counter["dropped_bytes"] += record.nbytes
+                else:
+                    counter["offload_bytes"] += record.nbytes
+            counter["total_bytes"] += record.copied_bytes
+
+        total = empty()
+        per_component: dict = {}
+        per_call: dict = {}
+        for record in self.records:
+            add(total, record)
+            add(per_component.setdefault(record.component, empty()), record)
+            add(per_call.setdefault(record.call_index, empty()), record)
+        total["per_component"] = per_component
+        total["per_call"] = per_call
+        return total
