@@ -21,12 +21,8 @@ class DeferredCpuOffload(CpuOffload):
             that inspects it; eviction decisions are the state's).
     """
 
-    def __init__(
-        self, state, component: str, execution_device, prev_module_hook=None
-    ) -> None:
-        super().__init__(
-            execution_device=execution_device, prev_module_hook=prev_module_hook
-        )
+    def __init__(self, state, component: str, execution_device, prev_module_hook=None) -> None:
+        super().__init__(execution_device=execution_device, prev_module_hook=prev_module_hook)
         self.state = state
         self.component = component
 
@@ -39,9 +35,7 @@ class DeferredCpuOffload(CpuOffload):
         self.state.on_use(self.component)
         if not args and not kwargs:
             return args, kwargs
-        return send_to_device(args, self.execution_device), send_to_device(
-            kwargs, self.execution_device
-        )
+        return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
 
 class OffloadHandle(UserCpuOffloadHook):

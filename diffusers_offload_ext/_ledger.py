@@ -87,15 +87,12 @@ class TransferLedger:
     def __repr__(self) -> str:
         return f"TransferLedger({len(self.records)} records, {self.copied_bytes()} bytes copied)"
 
-    def copied_bytes(
-        self, direction: Optional[str] = None, call_index: Optional[int] = ...
-    ) -> int:
+    def copied_bytes(self, direction: Optional[str] = None, call_index: Optional[int] = ...) -> int:
         """Bytes that crossed the bus, optionally only in one `direction` and/or one `call_index`."""
         return sum(
             r.copied_bytes
             for r in self.records
-            if (direction is None or r.direction == direction)
-            and (call_index is ... or r.call_index == call_index)
+            if (direction is None or r.direction == direction) and (call_index is ... or r.call_index == call_index)
         )
 
     def summary(self) -> dict:

@@ -22,9 +22,7 @@ MARK = "__offload_ext_wraps__"
 
 #: Stock's methods, captured before `install()` can replace them.
 STOCK = {
-    name: getattr(
-        DiffusionPipeline.__dict__[name], MARK, DiffusionPipeline.__dict__[name]
-    )
+    name: getattr(DiffusionPipeline.__dict__[name], MARK, DiffusionPipeline.__dict__[name])
     for name in (
         "enable_model_cpu_offload",
         "maybe_free_model_hooks",
@@ -128,13 +126,9 @@ def enable_model_cpu_offload(
     STOCK["remove_all_hooks"](self)
     _restore_exclusion(self, state)
 
-    modules = {
-        n: m for n, m in module_components(components).items() if not _loaded_in_8bit(m)
-    }
+    modules = {n: m for n, m in module_components(components).items() if not _loaded_in_8bit(m)}
     if state.device is not None and state.device != exec_device:
-        state.carry_out(
-            [("offload", n) for n in sorted(state.resident & set(state.modules))]
-        )
+        state.carry_out([("offload", n) for n in sorted(state.resident & set(state.modules))])
     state.modules = modules
     state.device = exec_device
     state.sync_with_placement(modules, exec_device)
@@ -145,14 +139,8 @@ def enable_model_cpu_offload(
     class_excluded = list(getattr(self, "_exclude_from_cpu_offload", None) or [])
     sequence = [n.strip() for n in self.model_cpu_offload_seq.split("->")]
     chain = [n for n in dict.fromkeys(sequence) if n in modules and n not in pinned]
-    outside = [
-        n
-        for n in modules
-        if n not in chain and n not in pinned and n not in class_excluded
-    ]
-    bounce = [
-        n for n in modules if n not in chain and n not in pinned and n in class_excluded
-    ]
+    outside = [n for n in modules if n not in chain and n not in pinned and n not in class_excluded]
+    bounce = [n for n in modules if n not in chain and n not in pinned and n in class_excluded]
     hooked = chain + outside
     state.policy = ChainPolicy(
         order=list(modules),
@@ -170,9 +158,7 @@ def enable_model_cpu_offload(
             "_exclude_from_cpu_offload" in self.__dict__,
             self.__dict__.get("_exclude_from_cpu_offload"),
         )
-        self.__dict__["_exclude_from_cpu_offload"] = list(
-            dict.fromkeys(class_excluded + pinned)
-        )
+        self.__dict__["_exclude_from_cpu_offload"] = list(dict.fromkeys(class_excluded + pinned))
 
     handles: List[OffloadHandle] = []
     previous = None
@@ -277,9 +263,7 @@ def guard_call(call):
                 try:
                     self.maybe_free_model_hooks()
                 except Exception:  # the original error matters more
-                    logger.exception(
-                        "The end-of-call offload after a failed pipeline call failed too."
-                    )
+                    logger.exception("The end-of-call offload after a failed pipeline call failed too.")
             raise
         finally:
             state.end_call(failed)

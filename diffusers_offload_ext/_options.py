@@ -29,11 +29,7 @@ class OffloadOptions:
     def kept(self, offloaded: Iterable[str]) -> frozenset:
         """The names among `offloaded` that the chain must not evict."""
         offloaded = list(offloaded)
-        return (
-            frozenset(offloaded)
-            if self.keep_all
-            else frozenset(n for n in self.keep if n in offloaded)
-        )
+        return frozenset(offloaded) if self.keep_all else frozenset(n for n in self.keep if n in offloaded)
 
     @property
     def keep_argument(self) -> Union[bool, Tuple[str, ...]]:
@@ -43,20 +39,14 @@ class OffloadOptions:
 
 def module_components(components: Mapping[str, Any]) -> Dict[str, torch.nn.Module]:
     """The components that are `torch.nn.Module`s, in the pipeline's order."""
-    return {
-        name: value
-        for name, value in components.items()
-        if isinstance(value, torch.nn.Module)
-    }
+    return {name: value for name, value in components.items() if isinstance(value, torch.nn.Module)}
 
 
 def _names(argument: str, value: Any, components: Mapping[str, Any]) -> Tuple[str, ...]:
     """Validate a str or an iterable of component names; return them in order, each once."""
     if isinstance(value, str):
         names = [value]
-    elif isinstance(value, (bytes, bytearray, Mapping)) or not isinstance(
-        value, Iterable
-    ):
+    elif isinstance(value, (bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
         raise TypeError(
             f"`{argument}` must be a component name (str) or a list of component names, got {value!r} "
             f"of type {type(value).__name__}."
@@ -65,9 +55,7 @@ def _names(argument: str, value: Any, components: Mapping[str, Any]) -> Tuple[st
         names = list(value)
         wrong = [name for name in names if not isinstance(name, str)]
         if wrong:
-            raise TypeError(
-                f"`{argument}` must contain only component names (str), got {wrong!r} in {names!r}."
-            )
+            raise TypeError(f"`{argument}` must contain only component names (str), got {wrong!r} in {names!r}.")
     valid = list(module_components(components))
     unknown = [name for name in names if name not in components]
     if unknown:
@@ -75,9 +63,7 @@ def _names(argument: str, value: Any, components: Mapping[str, Any]) -> Tuple[st
             f"`{argument}` names unknown components {unknown!r}. Valid component names are {valid!r}: "
             f"pass only those."
         )
-    not_modules = [
-        name for name in names if not isinstance(components[name], torch.nn.Module)
-    ]
+    not_modules = [name for name in names if not isinstance(components[name], torch.nn.Module)]
     if not_modules:
         kinds = {name: type(components[name]).__name__ for name in not_modules}
         raise ValueError(
@@ -100,11 +86,7 @@ def resolve_options(
         `ValueError`: a name that is not a component, or whose component is not a `torch.nn.Module`.
     """
     if exclude_from_offload is None:
-        exclude = tuple(
-            n
-            for n in previous.exclude_from_offload
-            if isinstance(components.get(n), torch.nn.Module)
-        )
+        exclude = tuple(n for n in previous.exclude_from_offload if isinstance(components.get(n), torch.nn.Module))
     elif isinstance(exclude_from_offload, bool):
         raise TypeError(
             f"`{EXCLUDE}` must be a component name (str) or a list of component names, got {exclude_from_offload!r}. "
@@ -115,15 +97,11 @@ def resolve_options(
 
     if keep_on_device_during_generation is None:
         keep_all = previous.keep_all
-        keep = tuple(
-            n for n in previous.keep if isinstance(components.get(n), torch.nn.Module)
-        )
+        keep = tuple(n for n in previous.keep if isinstance(components.get(n), torch.nn.Module))
     elif isinstance(keep_on_device_during_generation, bool):
         keep_all, keep = keep_on_device_during_generation, ()
     else:
-        keep_all, keep = False, _names(
-            KEEP, keep_on_device_during_generation, components
-        )
+        keep_all, keep = False, _names(KEEP, keep_on_device_during_generation, components)
     return OffloadOptions(exclude_from_offload=exclude, keep_all=keep_all, keep=keep)
 
 
@@ -143,9 +121,7 @@ def resolve_device(
     if gpu_id is not None and gpu_id < 0:
         raise ValueError(f"`gpu_id` must be >= 0, got {gpu_id!r}.")
     if device is not None and not isinstance(device, (str, torch.device)):
-        raise TypeError(
-            f"`device` must be a str, a `torch.device` or None, got {device!r}."
-        )
+        raise TypeError(f"`device` must be a str, a `torch.device` or None, got {device!r}.")
     if device is None:
         if previous_device is not None:
             device = torch.device(previous_device.type)
@@ -154,9 +130,7 @@ def resolve_device(
     try:
         torch_device = torch.device(device)
     except RuntimeError as error:
-        raise ValueError(
-            f"`device` must name a torch device such as 'cuda' or 'cuda:1', got {device!r}."
-        ) from error
+        raise ValueError(f"`device` must name a torch device such as 'cuda' or 'cuda:1', got {device!r}.") from error
     if gpu_id is not None and torch_device.index is not None:
         raise ValueError(
             f"You passed both `gpu_id`={gpu_id!r} and an index in `device`={device!r}. Pass only one of them, "

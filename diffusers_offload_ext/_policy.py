@@ -51,9 +51,7 @@ class ChainPolicy:
         self.pinned = frozenset(pinned)
         self.bounce = frozenset(bounce)
         self.kept = frozenset(kept)
-        self.previous: Dict[str, str] = {
-            later: earlier for earlier, later in zip(self.chain, self.chain[1:])
-        }
+        self.previous: Dict[str, str] = {later: earlier for earlier, later in zip(self.chain, self.chain[1:])}
 
     def on_use(self, name: str, resident: Set[str]) -> List[Move]:
         moves: List[Move] = []
@@ -70,13 +68,9 @@ class ChainPolicy:
         return []
 
     def on_enable(self, resident: Set[str]) -> List[Move]:
-        moves: List[Move] = [
-            (OFFLOAD, n) for n in self.order if n in resident and n not in self.pinned
-        ]
+        moves: List[Move] = [(OFFLOAD, n) for n in self.order if n in resident and n not in self.pinned]
         moves += [(ONLOAD, n) for n in self.order if n in self.bounce]
-        moves += [
-            (ONLOAD, n) for n in self.order if n in self.pinned and n not in resident
-        ]
+        moves += [(ONLOAD, n) for n in self.order if n in self.pinned and n not in resident]
         return moves
 
 
@@ -119,9 +113,5 @@ def replay(
     else:
         on_device.update(resident)
     for event in trace:
-        run(
-            policy.on_enable(on_device)
-            if event == END
-            else policy.on_use(event, on_device)
-        )
+        run(policy.on_enable(on_device) if event == END else policy.on_use(event, on_device))
     return moves

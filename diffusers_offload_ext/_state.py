@@ -72,22 +72,16 @@ class OffloadState:
         module = self.modules[name]
         nbytes = module_nbytes(module)
         target = self.device if direction == ONLOAD else HOST
-        with torch.profiler.record_function(
-            f"diffusers_offload_ext::{direction}::{name}"
-        ):
+        with torch.profiler.record_function(f"diffusers_offload_ext::{direction}::{name}"):
             module.to(target)
         if direction == ONLOAD:
             self.resident.add(name)
         else:
             self.resident.discard(name)
-        self.ledger.append(
-            TransferRecord(name, direction, nbytes, self.call_index, COPY, self.step)
-        )
+        self.ledger.append(TransferRecord(name, direction, nbytes, self.call_index, COPY, self.step))
         logger.debug(f"{direction} `{name}` ({nbytes} bytes) to {target}")
 
-    def sync_with_placement(
-        self, modules: Dict[str, torch.nn.Module], device: torch.device
-    ) -> None:
+    def sync_with_placement(self, modules: Dict[str, torch.nn.Module], device: torch.device) -> None:
         """Reconcile `resident` with where the parameters really are, before arming offload on `device`.
 
         On an accelerator the parameters tell the truth: a module found on the execution device is resident, one
