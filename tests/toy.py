@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from diffusers import DiffusionPipeline
+from diffusers import DiffusionPipeline, ModelMixin
+from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.utils.accelerate_utils import apply_forward_hook
 
 NAMES = ("text_encoder", "text_encoder_2", "transformer", "vae", "controlnet", "safety_checker")
@@ -19,7 +20,8 @@ WIDTHS = {
 }
 
 
-class Block(torch.nn.Module):
+class Block(ModelMixin, ConfigMixin):
+    @register_to_config
     def __init__(self, width: int) -> None:
         super().__init__()
         self.linear = torch.nn.Linear(width, width)

@@ -1,0 +1,74 @@
+"""Run a pipeline under offload with the observers attached, and compute what the reference model expects."""
+
+from __future__ import annotations
+
+import torch
+
+from reference import Reference
+from spy import CallRecorder, MoveSpy, calling, modules_of, nbytes
+
+
+def reference_for(pipe, exclude=(), keep=()):
+    sizes = {n: nbytes(m) for n, m in modules_of(pipe).items()}
+    return Reference(
+        sizes,
+        type(pipe).model_cpu_offload_seq,
+        class_excluded=getattr(type(pipe), "_exclude_from_cpu_offload", []),
+        exclude=exclude,
+        keep=keep,
+    )
+
+
+def enable_kwargs(exclude, keep):
+    kwargs = {"device": "cpu"}
+    if exclude:
+        kwargs["exclude_from_offload"] = list(exclude)
+    if keep:
+        kwargs["keep_on_device_during_generation"] = keep
+    return kwargs
+
+
+class Session:
+    """A pipeline with a recorder and a spy, offload enabled with the given options."""
+
+    def __init__(self, pipe, exclude=(), keep=(), ledger=None):
+        self.pipe = pipe
+        self.recorder = CallRecorder(pipe)
+        self.spy = MoveSpy(pipe)
+        self.exclude, self.keep = exclude, keep
+        self.calls = 0
+        with self.spy:
+            pipe.enable_model_cpu_offload(**enable_kwargs(exclude, keep))
+        self.ledger = ledger(pipe) if ledger is not None else None
+
+    def call(self, run):
+        with self.spy, calling(self.spy, self.calls):
+            result = run(self.pipe)
+        self.calls += 1
+        self.recorder.next_call()
+        return result
+
+    def expected(self):
+        """The reference's moves for the traces the recorder saw: (component, direction, nbytes, call_index)."""
+        reference = reference_for(self.pipe, self.exclude, self.keep)
+        for index, trace in enumerate(self.recorder.calls[: self.calls]):
+            reference.call(trace, index)
+        return reference
+
+    def spied_moves(self):
+        sizes = {n: nbytes(m) for n, m in modules_of(self.pipe).items()}
+        return [(n, d, sizes[n], c) for n, d, c in self.spy.moves()]
+
+
+def ledger_moves(ledger):
+    return [(r.component, r.direction, r.nbytes, r.call_index) for r in ledger.records]
+
+
+def hooked_names(pipe):
+    from accelerate.hooks import CpuOffload
+
+    return {n for n, m in modules_of(pipe).items() if isinstance(getattr(m, "_hf_hook", None), CpuOffload)}
+
+
+def max_abs_diff(a, b):
+    return (torch.as_tensor(a).float() - torch.as_tensor(b).float()).abs().max().item()

@@ -1,0 +1,270 @@
+"""Items 4, 6 and 8: sticky options, re-enables from inside diffusers, exception safety, and what comes after."""
+
+import inspect
+
+import pytest
+import torch
+import toy
+from harness import Session, hooked_names, ledger_moves
+from spy import MoveSpy, modules_of
+
+PREVIEW = ["text_encoder", "text_encoder_2"] + ["transformer", "vae"] * 3
+
+
+def test_options_are_sticky(installed):
+    pipe = toy.build()
+    pipe.enable_model_cpu_offload(
+        device="cpu", exclude_from_offload="transformer", keep_on_device_during_generation=True
+    )
+    pipe.enable_model_cpu_offload()
+    assert "transformer" not in hooked_names(pipe) and "vae" in hooked_names(pipe)
+    assert pipe._exclude_from_cpu_offload == ["safety_checker", "transformer"]
+    pipe(PREVIEW)  # maybe_free_model_hooks() re-enables with the same options
+    assert "transformer" not in hooked_names(pipe)
+    assert pipe._exclude_from_cpu_offload == ["safety_checker", "transformer"]
+    pipe.enable_model_cpu_offload(exclude_from_offload=[])
+    assert "transformer" in hooked_names(pipe)
+    with MoveSpy(pipe, on_device={"safety_checker"}) as spy:
+        pipe(PREVIEW)
+    # keep is still on: nothing is evicted before the end of the call
+    offloads = [n for n, d, _ in spy.moves() if d == "offload"]
+    assert offloads[:4] == ["text_encoder", "text_encoder_2", "transformer", "vae"]
+    pipe.enable_model_cpu_offload(keep_on_device_during_generation=False)
+    with MoveSpy(pipe, on_device={"safety_checker"}) as spy:
+        pipe(PREVIEW)
+    assert [n for n, d, _ in spy.moves() if d == "offload"][:3] == ["text_encoder", "text_encoder_2", "transformer"]
+    assert spy.moves()[:4] == [
+        ("text_encoder", "onload", None),
+        ("text_encoder", "offload", None),
+        ("text_encoder_2", "onload", None),
+        ("text_encoder_2", "offload", None),
+    ]
+
+
+def test_lora_style_reenable_keeps_options(installed):
+    """diffusers' LoRA loading removes the hooks when it finds a `CpuOffload`, then calls
+    `enable_model_cpu_offload()` with no argument at all."""
+    from diffusers.loaders import lora_base
+
+    pipe = toy.build()
+    pipe.enable_model_cpu_offload(
+        device="cpu", exclude_from_offload=["transformer"], keep_on_device_during_generation=True
+    )
+    pipe(PREVIEW)
+    found = lora_base._func_optionally_disable_offloading(pipe)
+    assert found[0] is True, "the hook must still be seen as model offload"
+    assert hooked_names(pipe) == set()
+    with MoveSpy(pipe, on_device={"transformer", "safety_checker"}) as spy:
+        pipe.enable_model_cpu_offload()
+        # the excluded transformer did not move; the rest was already on the host (the class-excluded safety
+        # checker goes down and up again, as in stock)
+        assert spy.moves() == [("safety_checker", "offload", None), ("safety_checker", "onload", None)]
+        pipe(PREVIEW)
+    assert "transformer" not in hooked_names(pipe)
+    assert not any(n == "transformer" for n, _, _ in spy.moves())
+    assert [n for n, d, _ in spy.moves() if d == "offload" and n != "safety_checker"][:3] == [
+        "text_encoder",
+        "text_encoder_2",
+        "vae",
+    ]
+
+
+@pytest.mark.plugin_only
+@pytest.mark.parametrize("interrupt", [False, True])
+@pytest.mark.parametrize("keep", [True, ()])
+def test_failed_call_leaves_nothing_pinned(installed, interrupt, keep):
+    doe = installed
+    pipe = toy.build()
+    pipe.enable_model_cpu_offload(device="cpu", keep_on_device_during_generation=keep)
+    error = KeyboardInterrupt if interrupt else RuntimeError
+    with pytest.raises(error):
+        pipe(PREVIEW, fail_at=5, interrupt=interrupt)
+    state = pipe._offload_ext_state
+    assert state.resident == {"safety_checker"}
+    assert hooked_names(pipe) == set(modules_of(pipe)) - {"safety_checker"}
+    assert state.call_depth == 0
+    # The next call behaves as if the failed one never happened.
+    ledger = doe.transfer_ledger(pipe)
+    ledger.clear()
+    pipe(PREVIEW)
+    fresh = toy.build()
+    fresh.enable_model_cpu_offload(device="cpu", keep_on_device_during_generation=keep)
+    fresh_ledger = doe.transfer_ledger(fresh)
+    fresh(PREVIEW)
+    strip = lambda records: [(r.component, r.direction, r.nbytes) for r in records if r.call_index is not None]
+    assert strip(ledger.records) == strip(fresh_ledger.records)
+    assert state.traces == [tuple(PREVIEW)]  # the failed call left no trace
+
+
+@pytest.mark.plugin_only
+def test_callback_raising_at_step_k(installed):
+    doe = installed
+    pipe = toy.build()
+    pipe.enable_model_cpu_offload(device="cpu", exclude_from_offload="vae", keep_on_device_during_generation=True)
+
+    class Stop(Exception):
+        pass
+
+    def fail_in_transformer(*args, **kwargs):
+        raise Stop()
+
+    pipe(PREVIEW)
+    pipe.transformer.register_forward_hook(lambda *a: (_ for _ in ()).throw(Stop()))
+    with pytest.raises(Stop):
+        pipe(PREVIEW)
+    assert pipe._offload_ext_state.resident == {"vae", "safety_checker"}
+
+
+def test_remove_all_hooks_like_stock(installed):
+    pipe = toy.build()
+    pipe.enable_model_cpu_offload(device="cpu", exclude_from_offload="transformer")
+    with MoveSpy(pipe) as spy:
+        pipe.remove_all_hooks()
+    assert spy.calls == []
+    assert hooked_names(pipe) == set()
+    assert pipe._all_hooks == []
+    assert pipe._exclude_from_cpu_offload == ["safety_checker"]
+    assert all(not hasattr(m, "_hf_hook") for m in modules_of(pipe).values())
+
+
+def _stock_pipeline_after(action):
+    """Apply `action` to a pipeline whose model offload was enabled by stock diffusers (never installed)."""
+    import diffusers_offload_ext._mixin as mixin
+
+    pipe = toy.build()
+    mixin.STOCK["enable_model_cpu_offload"](pipe, device="cpu")
+    return pipe, _outcome(pipe, action)
+
+
+def _outcome(pipe, action):
+    """What `action` did: raised, or which hooks it kept, removed or added, and where the weights are."""
+    before = {n: getattr(m, "_hf_hook", None) for n, m in modules_of(pipe).items()}
+    try:
+        action(pipe)
+    except Exception as error:  # the comparison is with stock, whatever it does
+        return ("raised", type(error), str(error))
+    after = {n: getattr(m, "_hf_hook", None) for n, m in modules_of(pipe).items()}
+    hooks = {}
+    for name in after:
+        if after[name] is before[name]:
+            hooks[name] = "unchanged" if after[name] is not None else None
+        else:
+            hooks[name] = type(after[name]).__name__ if after[name] is not None else "removed"
+    devices = {n: sorted({str(t.device) for t in m.state_dict().values()}) for n, m in modules_of(pipe).items()}
+    return ("ok", hooks, devices, list(getattr(pipe, "_all_hooks", [])) == [])
+
+
+AFTER = {
+    "sequential": lambda p: p.enable_sequential_cpu_offload(device="cpu"),
+    "to_cpu": lambda p: p.to("cpu"),
+    "reset_device_map": lambda p: p.reset_device_map(),
+    "remove_all_hooks": lambda p: p.remove_all_hooks(),
+    "group": lambda p: p.enable_group_offload(torch.device("cpu"), offload_type="leaf_level"),
+}
+
+
+@pytest.mark.plugin_only
+@pytest.mark.parametrize("action", sorted(AFTER))
+def test_after_enable_like_stock(action):
+    import diffusers_offload_ext as doe
+
+    if action == "group" and not hasattr(toy.TracePipeline, "enable_group_offload"):
+        pytest.skip("enable_group_offload does not exist in this diffusers")
+    _, expected = _stock_pipeline_after(AFTER[action])
+    doe.install()
+    try:
+        pipe = toy.build()
+        pipe.enable_model_cpu_offload(
+            device="cpu", exclude_from_offload="controlnet", keep_on_device_during_generation=True
+        )
+        pipe(PREVIEW)
+        got = _outcome(pipe, AFTER[action])
+        if got[0] == "ok" and expected[0] == "ok":
+            # The excluded component had no hook to begin with; everything else must match stock.
+            assert got[1].pop("controlnet") in (None, expected[1]["controlnet"])
+            expected[1].pop("controlnet")
+    finally:
+        doe.uninstall()
+    assert got == expected
+
+
+@pytest.mark.plugin_only
+def test_uninstall_leaves_no_trace():
+    import diffusers_offload_ext as doe
+    from diffusers import DiffusionPipeline
+
+    before = dict(DiffusionPipeline.__dict__)
+    call_before = toy.TracePipeline.__dict__["__call__"]
+    doe.install()
+    doe.install()  # idempotent
+    assert toy.TracePipeline.__call__ is not call_before
+    assert toy.TracePipeline.__call__.__offload_ext_wraps__ is call_before
+
+    class Later(toy.TracePipeline):
+        def __call__(self, trace=()):
+            return super().__call__(trace)
+
+    later_call = Later.__dict__["__call__"].__offload_ext_wraps__  # classes defined after install() are wrapped
+    assert later_call.__qualname__.endswith("Later.__call__")
+    pipe = toy.build()
+    pipe.enable_model_cpu_offload(device="cpu", exclude_from_offload="transformer")
+    doe.uninstall()
+    doe.uninstall()
+    assert dict(DiffusionPipeline.__dict__) == before
+    assert toy.TracePipeline.__dict__["__call__"] is call_before
+    assert Later.__dict__["__call__"] is later_call
+    fresh = toy.build()
+    assert "exclude_from_offload" not in inspect.signature(fresh.enable_model_cpu_offload).parameters
+    with pytest.raises(TypeError):
+        fresh.enable_model_cpu_offload(device="cpu", exclude_from_offload="vae")
+    fresh.enable_model_cpu_offload(device="cpu")
+    fresh(PREVIEW)
+    assert "_offload_ext_state" not in fresh.__dict__
+    assert {type(m._hf_hook).__name__ for m in modules_of(fresh).values() if hasattr(m, "_hf_hook")} == {"CpuOffload"}
+
+
+@pytest.mark.plugin_only
+def test_mixin_without_install():
+    import diffusers_offload_ext as doe
+
+    class MyToy(doe.OffloadMixin, toy.TracePipeline):
+        pass
+
+    assert not doe.is_installed()
+    pipe = toy.build(MyToy)
+    pipe.enable_model_cpu_offload(
+        device="cpu", exclude_from_offload=["transformer"], keep_on_device_during_generation=True
+    )
+    ledger = doe.transfer_ledger(pipe)
+    pipe(PREVIEW)
+    assert [(r.component, r.direction) for r in ledger.records if r.call_index == 0][:3] == [
+        ("text_encoder", "onload"),
+        ("text_encoder_2", "onload"),
+        ("vae", "onload"),
+    ]
+    with pytest.raises(RuntimeError):
+        pipe(PREVIEW, fail_at=2)
+    assert pipe._offload_ext_state.resident == {"transformer", "safety_checker"}
+    plain = toy.build()
+    assert "exclude_from_offload" not in inspect.signature(plain.enable_model_cpu_offload).parameters
+
+
+@pytest.mark.plugin_only
+def test_pre_forward_is_constant_work_when_resident(installed, monkeypatch):
+    pipe = toy.build()
+    pipe.enable_model_cpu_offload(device="cpu", keep_on_device_during_generation=True)
+    pipe.transformer()  # now on the device
+    hook = pipe.transformer._hf_hook
+    counted = []
+    for method in ("parameters", "named_parameters", "buffers", "to", "_apply"):
+        original = getattr(torch.nn.Module, method)
+
+        def counting(self, *a, _original=original, _name=method, **k):
+            counted.append(_name)
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.nn.Module, method, counting)
+    for _ in range(10):
+        hook.pre_forward(pipe.transformer)
+        hook.pre_forward(pipe.transformer, torch.ones(2), x=torch.ones(2))
+    assert counted == []
