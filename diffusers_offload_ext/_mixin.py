@@ -201,11 +201,9 @@ def maybe_free_model_hooks(self) -> None:
         return STOCK["maybe_free_model_hooks"](self)
     state.closing_call = True
     try:
-        armed_before = self._all_hooks
+        # Stock resets stateful hooks, then re-enables offload with `device=self._offload_device` (which is us,
+        # with the sticky options), unless no component has a hook.
         STOCK["maybe_free_model_hooks"](self)
-        if state.active and self._all_hooks is armed_before:
-            # Stock skips re-arming when no component has a hook (everything excluded): re-arm anyway.
-            enable_model_cpu_offload(self)
     finally:
         state.closing_call = False
 

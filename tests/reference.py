@@ -27,13 +27,20 @@ class Reference:
 
     def __init__(self, sizes, seq, class_excluded=(), exclude=(), keep=()):
         self.components = {n: _Component(n, s) for n, s in sizes.items()}
-        self.exclude = set(exclude)
+        self.seq = seq
         self.class_excluded = set(class_excluded)
         self.moves = []
         self.call_index = None
+        self.enable(exclude, keep)
+
+    def enable(self, exclude=(), keep=()):
+        """(Re-)enable offload with these options, from wherever the components are now."""
+        self.exclude = set(exclude)
         previous = None
         chained = []
-        for name in seq.split("->"):
+        for component in self.components.values():
+            component.hooked, component.before = False, None
+        for name in self.seq.split("->"):
             if name in self.components and name not in self.exclude and name not in chained:
                 component = self.components[name]
                 component.hooked = True
@@ -44,11 +51,17 @@ class Reference:
             if name not in chained and name not in self.exclude and name not in self.class_excluded:
                 component.hooked = True
         for component in self.components.values():
-            component.kept = component.hooked and (
-                keep is True or (keep not in (False, None) and component.name in keep)
-            )
+            named = keep not in (False, None, True) and component.name in keep
+            component.kept = component.hooked and (keep is True or named)
         self.chained = set(chained)
         self._arm()
+
+    def remove_hooks(self):
+        for component in self.components.values():
+            component.hooked, component.before, component.kept = False, None, False
+
+    def hooked(self):
+        return {n for n, c in self.components.items() if c.hooked}
 
     def _move(self, component, on):
         if component.on_device != on:
@@ -77,11 +90,15 @@ class Reference:
             self._move(before, False)
         self._move(component, True)
 
-    def call(self, trace, call_index):
+    def call(self, trace, call_index, fail_at=None):
+        """One pipeline call; with `fail_at`, it raises before event `fail_at` (the plugin still ends the call)."""
         self.call_index = call_index
-        for name in trace:
+        for index, name in enumerate(trace):
+            if index == fail_at:
+                break
             self.use(name)
-        self._arm()
+        if self.hooked():
+            self._arm()
         self.call_index = None
 
     def resident(self):

@@ -40,7 +40,8 @@ class Vae(Block):
 
 
 class TracePipeline(DiffusionPipeline):
-    """`pipe(trace)` runs the named components in order; `pipe(trace, fail_at=k)` raises at event k."""
+    """`pipe(trace)` runs the named components in order; `pipe(trace, fail_at=k)` raises at event k;
+    `probe(index, name)` is called after each event."""
 
     model_cpu_offload_seq = SEQ
     _exclude_from_cpu_offload = ["safety_checker"]
@@ -57,7 +58,7 @@ class TracePipeline(DiffusionPipeline):
             safety_checker=safety_checker,
         )
 
-    def __call__(self, trace=(), fail_at=None, interrupt=False):
+    def __call__(self, trace=(), fail_at=None, interrupt=False, probe=None):
         for index, name in enumerate(trace):
             if index == fail_at:
                 raise (KeyboardInterrupt if interrupt else RuntimeError)(f"failure at event {index}")
@@ -66,6 +67,8 @@ class TracePipeline(DiffusionPipeline):
                 module.decode()
             else:
                 module()
+            if probe is not None:
+                probe(index, name)
         self.maybe_free_model_hooks()
         return list(trace)
 
