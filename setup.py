@@ -26,6 +26,7 @@ setup(
             "hypothesis",
             "black",
         ],
+        "report": ["rich", "matplotlib"],
     },
     entry_points={"console_scripts": ["diffusers-offload=diffusers_offload_ext.cli:main"]},
     classifiers=[

@@ -4,7 +4,10 @@ tests a diffusers built with `patches/` applied and this package not installed."
 import os
 
 import pytest
+import torch
 
+# One thread: on a shared 2-core machine two threads made tiny calls swing from 0.03 s to 4 s.
+torch.set_num_threads(1)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
