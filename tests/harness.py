@@ -60,6 +60,23 @@ class Session:
         return [(n, d, sizes[n], c) for n, d, c in self.spy.moves()]
 
 
+def canonical(moves):
+    """Moves with each run of consecutive offloads sorted by name.
+
+    The end of a call offloads several components at once, in an order that is an implementation detail (stock's
+    `pipe.to("cpu")` walks a set); a chain eviction is a lone offload and is never reordered past an onload.
+    """
+    out, run = [], []
+    for move in moves:
+        if move[1] == "offload":
+            run.append(move)
+            continue
+        out.extend(sorted(run, key=str))
+        run = []
+        out.append(move)
+    return out + sorted(run, key=str)
+
+
 def ledger_moves(ledger):
     return [(r.component, r.direction, r.nbytes, r.call_index) for r in ledger.records]
 

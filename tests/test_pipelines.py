@@ -4,7 +4,7 @@ call, a call with a preview-decoding step callback, and three calls in a row, un
 import pytest
 import tiny_pipelines as tiny
 import torch
-from harness import Session, hooked_names, ledger_moves, max_abs_diff
+from harness import Session, canonical, hooked_names, ledger_moves, max_abs_diff
 from spy import EXEC, modules_of
 
 DENOISER = {"sd15": "unet", "sdxl": "unet", "sd_controlnet": "unet"}  # the others: "transformer"
@@ -49,10 +49,10 @@ def test_pipeline(installed, offload_impl, name, scenario, option):
 
     reference = session.expected()
     spied = session.spied_moves()
-    assert spied == reference.moves, "the modules' .to() calls are not the moves the reference model expects"
+    assert canonical(spied) == canonical(reference.moves), "the .to() calls are not the moves the reference expects"
     assert len(session.spy.calls) == len(reference.moves), "a .to() call on a component that moved nothing"
     if session.ledger is not None:
-        assert ledger_moves(session.ledger) == reference.moves
+        assert ledger_moves(session.ledger) == spied  # one record per real move, in the order they happened
 
     # End state equals stock's: all but the excluded (and the class's own exclusions) on the host, hooks re-armed.
     class_excluded = set(getattr(type(pipe), "_exclude_from_cpu_offload", [])) & set(modules_of(pipe))

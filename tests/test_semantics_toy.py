@@ -2,7 +2,7 @@
 
 import pytest
 import toy
-from harness import Session, hooked_names, ledger_moves
+from harness import Session, canonical, hooked_names, ledger_moves
 from spy import EXEC, modules_of
 
 PREVIEW = ["text_encoder", "text_encoder_2"] + ["transformer", "vae"] * 3 + ["vae"]
@@ -36,16 +36,16 @@ def test_moves_match_reference(installed, trace, option):
     exclude, keep = OPTIONS[option]
     session = run_session(installed, TRACES[trace], exclude, keep)
     reference = session.expected()
-    assert observed(session) == reference.moves
+    assert canonical(observed(session)) == canonical(reference.moves)
     # The spy saw one `.to()` per move and no other `.to()` on a component.
-    assert session.spied_moves() == reference.moves
+    assert observed(session) == session.spied_moves()
     assert len(session.spy.calls) == len(reference.moves)
 
 
 def test_stock_chain_policy_by_hand(installed):
     """One hand-checked case, so that the reference model itself is checked too."""
     session = run_session(installed, PREVIEW, (), (), calls=1)
-    moves = [(n, d) for n, d, _, c in session.expected().moves if c == 0]
+    moves = [(n, d) for n, d, _, c in canonical(session.expected().moves) if c == 0]
     assert moves == [
         ("text_encoder", "onload"),
         ("text_encoder", "offload"),
@@ -57,12 +57,13 @@ def test_stock_chain_policy_by_hand(installed):
         ("transformer", "onload"),  # ...which comes back for the next step
         ("transformer", "offload"),
         ("transformer", "onload"),
+        # the last decode evicts the transformer, then the call ends; canonical() sorts this run of offloads
+        ("safety_checker", "offload"),  # stock re-uploads the class-excluded component at every call end
         ("transformer", "offload"),
         ("vae", "offload"),
-        ("safety_checker", "offload"),  # stock re-uploads the class-excluded component at every call end
         ("safety_checker", "onload"),
     ]
-    assert [(n, d) for n, d, _, c in observed(session) if c == 0] == moves
+    assert [(n, d) for n, d, _, c in canonical(observed(session)) if c == 0] == moves
 
 
 @pytest.mark.parametrize("option", sorted(OPTIONS))
