@@ -30,8 +30,9 @@ class MoveSpy:
     `call_index` is set by the test around each pipeline call.
     """
 
-    def __init__(self, pipe, on_device=()):
+    def __init__(self, pipe, on_device=(), exec_device=EXEC):
         self.pipe = pipe
+        self.exec_device = exec_device
         self.names = {id(m): n for n, m in modules_of(pipe).items()}
         self.calls = []  # (component, target device, call_index), every .to() on a component
         self.placement = {n: (n in on_device) for n in modules_of(pipe)}
@@ -49,7 +50,7 @@ class MoveSpy:
                 device = torch._C._nn._parse_to(*args, **kwargs)[0]
                 if device is not None:
                     spy.calls.append((name, device, spy.call_index))
-                    spy.placement[name] = device == EXEC
+                    spy.placement[name] = device == spy.exec_device
             return original(module, *args, **kwargs)
 
         torch.nn.Module.to = to
@@ -63,7 +64,7 @@ class MoveSpy:
         where = dict(self.initial)
         out = []
         for name, device, call_index in self.calls:
-            on = device == EXEC
+            on = device == self.exec_device
             if where.get(name, False) != on:
                 out.append((name, "onload" if on else "offload", call_index))
             where[name] = on
