@@ -73,3 +73,40 @@ def test_pipeline(installed, offload_impl, name, scenario, option):
             assert len(denoiser_onloads) == len({m[0] for m in denoiser_onloads})
     if exclude:
         assert all(m[0] != exclude[0] or m[3] is None for m in reference.moves), "the excluded component moved"
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.plugin_only
+@pytest.mark.parametrize("error", [_Stop, KeyboardInterrupt])
+@pytest.mark.parametrize("name", ["flux", "sdxl"])
+def test_callback_raising_at_step_k(installed, name, error):
+    """A `callback_on_step_end` that raises at step 1: the end-of-call offload still runs, and the next call moves
+    exactly what a call on a fresh pipeline moves."""
+    doe = installed
+    options = {"device": "cpu", "keep_on_device_during_generation": True, "exclude_from_offload": "vae"}
+
+    def raising(pipe, step, timestep, callback_kwargs):
+        if step == 1:
+            raise error("stop at step 1")
+        return callback_kwargs
+
+    pipe = tiny.build(name)
+    pipe.enable_model_cpu_offload(**options)
+    ledger = doe.transfer_ledger(pipe)
+    with pytest.raises(error):
+        pipe(**{**tiny.call_kwargs(name, seed=0), "callback_on_step_end": raising})
+    state = pipe._offload_ext_state
+    assert state.resident == {"vae"} and state.call_depth == 0
+    assert hooked_names(pipe) == set(modules_of(pipe)) - {"vae"}
+    ledger.clear()
+    image = tiny.run(pipe, name, seed=0)
+    fresh = tiny.build(name)
+    fresh.enable_model_cpu_offload(**options)
+    fresh_ledger = doe.transfer_ledger(fresh)
+    fresh_ledger.clear()
+    assert max_abs_diff(image, tiny.run(fresh, name, seed=0)) <= TOLERANCE
+    strip = lambda records: [(r.component, r.direction, r.nbytes) for r in records]
+    assert strip(ledger.records) == strip(fresh_ledger.records)
