@@ -32,7 +32,7 @@ PYTEST := -p no:cacheprovider -q
 	.venv-patched/bin/pip install $(PIP_QUIET) $(TORCH)
 	.venv-patched/bin/pip download $(PIP_QUIET) --no-deps --no-binary :all: -d build/sdist diffusers==$(DIFFUSERS_SDIST_VERSION)
 	bash patches/apply-to-sdist.sh build/sdist/diffusers-$(DIFFUSERS_SDIST_VERSION).tar.gz build/diffusers-patched
-	.venv-patched/bin/pip install $(PIP_QUIET) ./build/diffusers-patched accelerate==1.15.0 "transformers>=5,<6" sentencepiece protobuf pytest hypothesis
+	.venv-patched/bin/pip install $(PIP_QUIET) ./build/diffusers-patched accelerate==1.15.0 "transformers>=5,<6" sentencepiece protobuf peft pytest hypothesis
 	touch $@
 
 demo: .venv/.installed

@@ -16,11 +16,16 @@ setup(
         "torch>=2.1",
         "diffusers>=0.32.2,<=0.42.1",
         "accelerate>=1.6.0,<=1.15.0",
+        # The `diffusers-offload` command (plan/demo/doctor) and `doe.trace(...)`'s table and timeline. Imported
+        # lazily: `import diffusers_offload_ext` does not load them.
+        "rich>=13",
+        "matplotlib>=3.7",
     ],
     extras_require={
         "test": [
             "transformers>=4.51",
             "sentencepiece",
+            "peft",
             "protobuf",
             "pytest",
             "hypothesis",
