@@ -10,10 +10,13 @@ from accelerate.hooks import add_hook_to_module
 from diffusers import DiffusionPipeline
 from diffusers.utils import logging
 
+from . import _memory
 from ._hook import DeferredCpuOffload, OffloadHandle
-from ._options import OffloadOptions, module_components, resolve_device, resolve_options
+from ._ledger import module_nbytes
+from ._options import OffloadOptions, module_components, resolve_budget, resolve_device, resolve_options
 from ._policy import ChainPolicy
-from ._state import ensure_state, get_state
+from ._residency import ResidencyPolicy
+from ._state import ensure_state, get_state, placement
 
 logger = logging.get_logger(__name__)
 
@@ -66,6 +69,10 @@ def enable_model_cpu_offload(
     *,
     exclude_from_offload: Union[str, Iterable[str], None] = None,
     keep_on_device_during_generation: Union[bool, str, Iterable[str], None] = None,
+    memory_budget: Union[int, str, None] = None,
+    memory_reserve: Union[int, str, None] = None,
+    keep_on_device_between_generations: Optional[bool] = None,
+    zero_copy_eviction: Optional[bool] = None,
 ) -> None:
     r"""
     Offloads all models to the CPU and moves one model at a time to the accelerator when it runs, like diffusers'
@@ -86,11 +93,34 @@ def enable_model_cpu_offload(
             Components (`True`: all of them) that, once on the device, stay there until the pipeline call ends,
             instead of being evicted when the next model of the chain runs (for example when a step callback
             decodes a preview with the VAE). At the end of the call everything goes back to the CPU, as in stock.
+        memory_budget (`int` or `str`, *optional*, defaults to `None`):
+            Turns on the residency manager with an upper bound on the bytes of component weights (parameters and
+            buffers) kept on the execution device at any time, excluded components included: bytes (`int`) or a
+            size with a unit (`"20GiB"`, `"12GB"`, `"512MiB"`, `"1.5 GiB"`; `GB` = 10**9 bytes, `GiB` = 2**30).
+            Components move to the device when they run; when one does not fit, the resident components that are
+            not running and that the access trace of the previous call needs least are evicted. A component larger
+            than the whole budget runs alone (one warning). `"auto"` clears a budget set before: the manager then
+            uses the automatic budget (with `keep_on_device_between_generations=True`) or is off.
+        memory_reserve (`int` or `str`, *optional*, defaults to `"3GiB"`):
+            Only for the automatic budget on CUDA (no `memory_budget`, `keep_on_device_between_generations=True`):
+            the budget is the free device memory at enable time plus the weights the pipeline already holds there,
+            minus this reserve for activations. On other devices the automatic budget is unlimited.
+        keep_on_device_between_generations (`bool`, *optional*, defaults to `False`):
+            Turns on the residency manager and keeps components on the device at the end of a call (within the
+            budget), so that the next call does not upload them again. `diffusers_offload_ext.release(pipe)`
+            evicts them explicitly.
+        zero_copy_eviction (`bool`, *optional*, defaults to `True`):
+            With the residency manager on, keep the host copy of each component's weights while it is on the
+            device, so that an eviction only drops the device copy (no device-to-host copy; host memory stays at
+            stock's peak, all weights on the host). A change made while on the device (in-place edits, replaced
+            tensors, LoRA fusing) is detected and copied back. `False` evicts with a copy, like stock.
 
     Raises:
         `TypeError`: an argument of the wrong type.
         `ValueError`: an unknown component name, a component that is not a `torch.nn.Module`, a device-mapped
-            pipeline, or active group offloading. Nothing is changed when an error is raised.
+            pipeline, or active group offloading; a size that does not parse, is negative or a bool; a
+            `memory_reserve` larger than the device; excluded components alone larger than `memory_budget`.
+            Nothing is changed when an error is raised.
 
     Example:
 
@@ -103,6 +133,10 @@ def enable_model_cpu_offload(
     >>> pipe = FluxPipeline.from_pretrained("black-forest-labs/FLUX.1-dev", torch_dtype=torch.bfloat16)
     >>> pipe.enable_model_cpu_offload(exclude_from_offload=["transformer"])
     >>> image = pipe("a photo of an astronaut riding a horse on mars").images[0]
+
+    >>> # A server on a 24 GB card: keep what fits between calls, evict what the next steps need least.
+    >>> pipe.enable_model_cpu_offload(memory_budget="20GiB", keep_on_device_between_generations=True)
+    >>> images = [pipe(prompt).images[0] for prompt in ["a red cat", "a blue dog"]]
     ```
     """
     state = get_state(self)
@@ -112,6 +146,10 @@ def enable_model_cpu_offload(
         components,
         exclude_from_offload,
         keep_on_device_during_generation,
+        memory_budget=memory_budget,
+        memory_reserve=memory_reserve,
+        keep_on_device_between_generations=keep_on_device_between_generations,
+        zero_copy_eviction=zero_copy_eviction,
     )
     _raise_like_stock(self)
     exec_device, index = resolve_device(
@@ -120,6 +158,9 @@ def enable_model_cpu_offload(
         getattr(self, "_offload_device", None),
         getattr(self, "_offload_gpu_id", None),
     )
+    budget = auto_budget = None
+    if options.residency:
+        budget, auto_budget = _residency_budget(self, state, options, components, exec_device)
 
     # Nothing was changed above this line.
     state = ensure_state(self)
@@ -142,14 +183,20 @@ def enable_model_cpu_offload(
     outside = [n for n in modules if n not in chain and n not in pinned and n not in class_excluded]
     bounce = [n for n in modules if n not in chain and n not in pinned and n in class_excluded]
     hooked = chain + outside
-    state.policy = ChainPolicy(
-        order=list(modules),
-        chain=chain,
-        hooked=hooked,
-        pinned=pinned,
-        bounce=bounce,
-        kept=options.kept(hooked),
-    )
+    if options.residency:
+        state.policy = _residency_policy(state, options, modules, chain, hooked, pinned, bounce, budget, auto_budget)
+    else:
+        state.policy = ChainPolicy(
+            order=list(modules),
+            chain=chain,
+            hooked=hooked,
+            pinned=pinned,
+            bounce=bounce,
+            kept=options.kept(hooked),
+        )
+    state.zero_copy = options.residency and options.zero_copy
+    if not state.zero_copy:
+        state.host_copies.clear()
     state.options = options
     state.carry_out(state.policy.on_enable(state.resident))
 
@@ -176,6 +223,68 @@ def enable_model_cpu_offload(
             previous = handle
     self._all_hooks = handles
     state.active = True
+
+
+def _user_exclusion(pipe, state) -> List[str]:
+    """`_exclude_from_cpu_offload` as it is without this extension's instance-level additions."""
+    if state is not None and state.saved_exclusion is not None:
+        had_instance_value, value = state.saved_exclusion
+        if not had_instance_value:
+            value = getattr(type(pipe), "_exclude_from_cpu_offload", None)
+        return list(value or [])
+    return list(getattr(pipe, "_exclude_from_cpu_offload", None) or [])
+
+
+def _residency_budget(pipe, state, options, components, device):
+    """The residency manager's budget, validated before anything changes (see `resolve_budget`)."""
+    modules = {n: m for n, m in module_components(components).items() if not _loaded_in_8bit(m)}
+    sequence = [n.strip() for n in pipe.model_cpu_offload_seq.split("->")]
+    pinned = [n for n in options.exclude_from_offload if n in modules]
+    class_excluded = _user_exclusion(pipe, state)
+    fixed = {
+        n: module_nbytes(m) for n, m in modules.items() if n in pinned or (n in class_excluded and n not in sequence)
+    }
+    # What the pipeline holds on the device: free memory does not count it. The parameters tell on an accelerator;
+    # the record tells where they cannot (the CPU, where tests mock the memory functions).
+    recorded = state.resident if state is not None and state.device == device else set()
+    held = sum(module_nbytes(m) for n, m in modules.items() if n in recorded or placement(m) == device)
+    return resolve_budget(options, device, fixed, held)
+
+
+def _residency_policy(state, options, modules, chain, hooked, pinned, bounce, budget, auto_budget):
+    """The residency manager's policy; the one in force is kept while its configuration is the same (its plans may
+    span calls)."""
+    capacity = None
+    device = state.device
+    if _memory.free_bytes(device) is not None:
+        reserve = options.memory_reserve if auto_budget else 0
+
+        def capacity(held: int) -> Optional[int]:
+            free = _memory.free_bytes(device)
+            return None if free is None else free + held - reserve
+
+    policy = ResidencyPolicy(
+        order=list(modules),
+        chain=chain,
+        hooked=hooked,
+        sizes={n: module_nbytes(m) for n, m in modules.items()},
+        pinned=pinned,
+        bounce=bounce,
+        budget=budget,
+        keep_between=options.keep_between,
+        history=state.traces,
+        current=state.trace if state.call_depth else (),
+        capacity=capacity,
+        cache=state.plan_cache,
+        zero_copy=options.zero_copy,
+        measure=lambda name: module_nbytes(modules[name]),
+    )
+    previous = state.policy
+    if isinstance(previous, ResidencyPolicy) and previous.config == policy.config:
+        previous.capacity = capacity
+        previous.measure = policy.measure
+        return previous
+    return policy
 
 
 def _restore_exclusion(pipe, state) -> None:
@@ -239,6 +348,8 @@ def to(self, *args, **kwargs):
         elif target is not None:
             moved_to = torch.device(target)
             state.resident = set(state.modules) if moved_to == state.device else set()
+        # The host copies of components that left the device are stale: their weights were just copied back.
+        state.forget_host_copies()
     return result
 
 

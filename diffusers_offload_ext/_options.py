@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
+from diffusers.utils import logging
+
+from . import _memory
+from ._residency import DEFAULT_RESERVE, UNIT_NAMES, format_size, parse_size
 
 EXCLUDE = "exclude_from_offload"
 KEEP = "keep_on_device_during_generation"
+BUDGET = "memory_budget"
+RESERVE = "memory_reserve"
+KEEP_BETWEEN = "keep_on_device_between_generations"
+ZERO_COPY = "zero_copy_eviction"
+#: `memory_budget="auto"` clears an explicit budget (the automatic one applies again).
+AUTO = "auto"
+
+logger = logging.get_logger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,11 +33,24 @@ class OffloadOptions:
         exclude_from_offload (`Tuple[str, ...]`, defaults to `()`): Components pinned on the execution device.
         keep_all (`bool`, defaults to `False`): `keep_on_device_during_generation=True` (every offloaded component).
         keep (`Tuple[str, ...]`, defaults to `()`): Components named in `keep_on_device_during_generation`.
+        memory_budget (`int`, *optional*): Explicit `memory_budget` in bytes; `None`: the automatic one.
+        memory_reserve (`int`, defaults to 3 GiB): `memory_reserve` in bytes.
+        keep_between (`bool`, defaults to `False`): `keep_on_device_between_generations`.
+        zero_copy (`bool`, defaults to `True`): `zero_copy_eviction`.
     """
 
     exclude_from_offload: Tuple[str, ...] = ()
     keep_all: bool = False
     keep: Tuple[str, ...] = ()
+    memory_budget: Optional[int] = None
+    memory_reserve: int = DEFAULT_RESERVE
+    keep_between: bool = False
+    zero_copy: bool = True
+
+    @property
+    def residency(self) -> bool:
+        """Whether the residency manager is on: a `memory_budget` was set or `keep_on_device_between_generations`."""
+        return self.memory_budget is not None or self.keep_between
 
     def kept(self, offloaded: Iterable[str]) -> frozenset:
         """The names among `offloaded` that the chain must not evict."""
@@ -73,18 +99,73 @@ def _names(argument: str, value: Any, components: Mapping[str, Any]) -> Tuple[st
     return tuple(dict.fromkeys(names))
 
 
+def _size(argument: str, value: Any, example: str) -> int:
+    """Validate a size: an int of bytes or a str with a unit."""
+    if isinstance(value, bool):
+        raise ValueError(
+            f"`{argument}` must be a size in bytes, not a bool: got {value!r}. Pass an int of bytes or a str with a "
+            f"unit, for example `{argument}={example!r}`."
+        )
+    if isinstance(value, numbers.Integral):
+        nbytes = int(value)
+    elif isinstance(value, str):
+        parsed = parse_size(value)
+        if parsed is None:
+            if value.strip().startswith("-") and parse_size(value.strip()[1:]) is not None:
+                raise ValueError(f"`{argument}` must not be negative, got {value!r}. Pass for example {example!r}.")
+            raise ValueError(
+                f"`{argument}` must be a number of bytes or a number with a unit, got {value!r}. Valid units are "
+                f"{UNIT_NAMES} (case-insensitive; KB, MB, GB, TB are powers of 1000). Pass for example "
+                f"`{argument}={example!r}`."
+            )
+        nbytes = parsed
+    else:
+        raise TypeError(
+            f"`{argument}` must be an int (bytes), a str with a unit such as {example!r}, or None, got {value!r} of "
+            f"type {type(value).__name__}."
+        )
+    if nbytes < 0:
+        raise ValueError(f"`{argument}` must not be negative, got {value!r}. Pass for example {example!r}.")
+    return nbytes
+
+
+def _flag(argument: str, value: Any, previous: bool) -> bool:
+    if value is None:
+        return previous
+    if not isinstance(value, bool):
+        raise TypeError(f"`{argument}` must be True, False or None (keep the value set before), got {value!r}.")
+    return value
+
+
 def resolve_options(
     previous: OffloadOptions,
     components: Mapping[str, Any],
     exclude_from_offload: Any = None,
     keep_on_device_during_generation: Any = None,
+    *,
+    memory_budget: Any = None,
+    memory_reserve: Any = None,
+    keep_on_device_between_generations: Any = None,
+    zero_copy_eviction: Any = None,
 ) -> OffloadOptions:
     """Validate the new arguments and merge them with the ones in force (`None` keeps what was set before).
 
     Raises:
         `TypeError`: an argument of the wrong type.
-        `ValueError`: a name that is not a component, or whose component is not a `torch.nn.Module`.
+        `ValueError`: a name that is not a component, or whose component is not a `torch.nn.Module`; a size that does
+            not parse, is negative or is a bool.
     """
+    if memory_budget is None:
+        budget = previous.memory_budget
+    elif isinstance(memory_budget, str) and memory_budget.strip().lower() == AUTO:
+        budget = None
+    else:
+        budget = _size(BUDGET, memory_budget, "20GiB")
+    reserve = previous.memory_reserve if memory_reserve is None else _size(RESERVE, memory_reserve, "3GiB")
+    keep_between = _flag(KEEP_BETWEEN, keep_on_device_between_generations, previous.keep_between)
+    zero_copy = _flag(ZERO_COPY, zero_copy_eviction, previous.zero_copy)
+    residency = dict(memory_budget=budget, memory_reserve=reserve, keep_between=keep_between, zero_copy=zero_copy)
+
     if exclude_from_offload is None:
         exclude = tuple(n for n in previous.exclude_from_offload if isinstance(components.get(n), torch.nn.Module))
     elif isinstance(exclude_from_offload, bool):
@@ -102,7 +183,7 @@ def resolve_options(
         keep_all, keep = keep_on_device_during_generation, ()
     else:
         keep_all, keep = False, _names(KEEP, keep_on_device_during_generation, components)
-    return OffloadOptions(exclude_from_offload=exclude, keep_all=keep_all, keep=keep)
+    return OffloadOptions(exclude_from_offload=exclude, keep_all=keep_all, keep=keep, **residency)
 
 
 def resolve_device(
@@ -157,3 +238,60 @@ def _default_device() -> str:
             "the offload machinery on the CPU (useful for tests)."
         )
     return found
+
+
+#: The automatic budget is rounded down to this, so that small changes of free memory do not change the plan.
+AUTO_BUDGET_STEP = 256 << 20
+
+
+def resolve_budget(
+    options: OffloadOptions,
+    device: torch.device,
+    fixed: Mapping[str, int],
+    held_bytes: int,
+) -> Tuple[Optional[int], bool]:
+    """The memory budget in force for the residency manager, checked against what must stay on the device.
+
+    Args:
+        options (`OffloadOptions`): The options in force.
+        device (`torch.device`): The execution device.
+        fixed (`Mapping[str, int]`): Bytes of each component that always stays on the device (excluded ones).
+        held_bytes (`int`): Bytes of the pipeline's weights already on `device` (free memory does not count them).
+
+    Returns:
+        `(Optional[int], bool)`: the budget in bytes (`None`: unlimited) and whether it is the automatic one.
+
+    Raises:
+        `ValueError`: `memory_reserve` larger than the device, or the excluded components alone larger than an explicit
+            `memory_budget`.
+    """
+    total = _memory.total_bytes(device)
+    reserve = options.memory_reserve
+    if total is not None and reserve > total:
+        raise ValueError(
+            f"`{RESERVE}` is {format_size(reserve)} ({reserve} bytes), more than the whole device {device} has "
+            f"({format_size(total)}). Pass a smaller reserve, for example `{RESERVE}='3GiB'`, or an explicit "
+            f"`{BUDGET}`."
+        )
+    fixed_bytes = sum(fixed.values())
+    if options.memory_budget is not None:
+        budget = options.memory_budget
+        if fixed_bytes > budget:
+            raise ValueError(
+                f"The components that never leave the device ({sorted(fixed)!r}, {fixed_bytes} bytes = "
+                f"{format_size(fixed_bytes)}) alone exceed `{BUDGET}`={budget!r} ({format_size(budget)}). Pass a "
+                f"`{BUDGET}` of at least {fixed_bytes} bytes, or leave some of them out of `{EXCLUDE}`."
+            )
+        return budget, False
+    free = _memory.free_bytes(device)
+    if free is None:
+        return None, True
+    budget = max((free + held_bytes - reserve) // AUTO_BUDGET_STEP * AUTO_BUDGET_STEP, 0)
+    if fixed_bytes > budget:
+        logger.warning(
+            f"The components that never leave the device ({sorted(fixed)!r}, {format_size(fixed_bytes)}) exceed the "
+            f"automatic memory budget ({format_size(budget)}: free memory on {device} plus what the pipeline holds "
+            f"there, minus `{RESERVE}`={format_size(reserve)}). Every other component will run alone."
+        )
+        budget = fixed_bytes
+    return budget, True

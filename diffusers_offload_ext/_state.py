@@ -9,6 +9,7 @@ from diffusers.utils import logging
 
 from ._ledger import (
     COPY,
+    DROP,
     OFFLOAD,
     ONLOAD,
     TransferLedger,
@@ -16,6 +17,8 @@ from ._ledger import (
     module_nbytes,
 )
 from ._options import OffloadOptions
+from ._residency import format_size
+from ._zerocopy import HostCopy
 
 logger = logging.get_logger(__name__)
 
@@ -50,6 +53,15 @@ class OffloadState:
         self.step: Optional[int] = None
         self.trace: List[str] = []
         self.traces: List[Tuple[str, ...]] = []
+        #: Callables `(name, direction, module, nbytes) -> finish(record)` told about every move (see `doe.trace`).
+        self.observers: List = []
+        #: Zero-copy eviction: keep host tensors of onloaded components (`HostCopy` per resident component).
+        self.zero_copy = False
+        self.host_copies: Dict[str, HostCopy] = {}
+        #: Value tables of the residency manager, kept across its re-creations.
+        self.plan_cache: dict = {}
+        #: Components already warned about being larger than the memory budget.
+        self.warned_oversize: Set[str] = set()
 
     # -- what the hooks call ---------------------------------------------------------------------------------
     def on_use(self, name: str) -> None:
@@ -57,6 +69,15 @@ class OffloadState:
         moves = self.policy.on_use(name, self.resident)
         if moves:
             self.carry_out(moves)
+            overflow = getattr(self.policy, "last_overflow", None)
+            if overflow is not None and overflow[0] not in self.warned_oversize:
+                self.warned_oversize.add(overflow[0])
+                _, nbytes, limit = overflow
+                logger.warning(
+                    f"`{name}` ({format_size(nbytes)}) does not fit in the memory budget left for offloaded "
+                    f"components ({format_size(limit)}): every other offloaded component was evicted and it runs "
+                    f"alone. Raise `memory_budget` (or free device memory) to avoid reloading it."
+                )
 
     def request_offload(self, name: str) -> None:
         if self.policy is not None:
@@ -68,17 +89,40 @@ class OffloadState:
             self.move(name, direction)
 
     def move(self, name: str, direction: str) -> None:
-        """Move one component with a single `.to()` and record it."""
+        """Move one component with a single `.to()` and record it.
+
+        With zero-copy eviction on, an onload keeps the host tensors (`HostCopy`), and an offload of a component
+        unchanged since its onload puts them back instead of copying (`kind="drop"`, no `.to()`).
+        """
         module = self.modules[name]
         nbytes = module_nbytes(module)
         target = self.device if direction == ONLOAD else HOST
+        kind = COPY
+        finishers = [observer(name, direction, module, nbytes) for observer in self.observers]
         with torch.profiler.record_function(f"diffusers_offload_ext::{direction}::{name}"):
-            module.to(target)
+            if direction == ONLOAD:
+                host_copy = HostCopy(module) if self.zero_copy else None
+                module.to(target)
+                if host_copy is not None:
+                    host_copy.seal(module)
+                    self.host_copies[name] = host_copy
+            else:
+                host_copy = self.host_copies.pop(name, None)
+                if host_copy is not None and host_copy.unchanged(module):
+                    host_copy.restore(module)
+                    kind = DROP
+                else:
+                    # Release the stale host tensors before copying: host memory never exceeds stock's peak.
+                    host_copy = None
+                    module.to(target)
         if direction == ONLOAD:
             self.resident.add(name)
         else:
             self.resident.discard(name)
-        self.ledger.append(TransferRecord(name, direction, nbytes, self.call_index, COPY, self.step))
+        record = TransferRecord(name, direction, nbytes, self.call_index, kind, self.step)
+        self.ledger.append(record)
+        for finish in finishers:
+            finish(record)
         logger.debug(f"{direction} `{name}` ({nbytes} bytes) to {target}")
 
     def sync_with_placement(self, modules: Dict[str, torch.nn.Module], device: torch.device) -> None:
@@ -98,6 +142,12 @@ class OffloadState:
                     self.move(name, OFFLOAD)
             elif device.type != "cpu":
                 self.resident.discard(name)
+        self.forget_host_copies()
+
+    def forget_host_copies(self) -> None:
+        """Drop the host copies of components that are no longer on the device (they moved some other way)."""
+        for name in [n for n in self.host_copies if n not in self.resident]:
+            del self.host_copies[name]
 
     # -- pipeline calls ------------------------------------------------------------------------------------------
     def begin_call(self) -> None:
@@ -107,6 +157,9 @@ class OffloadState:
             self.calls_started += 1
             self.trace = []
             self.step = None
+            start = getattr(self.policy, "on_call_start", None)
+            if start is not None:
+                start(self.traces)
 
     def end_call(self, failed: bool) -> None:
         self.call_depth -= 1
@@ -166,3 +219,41 @@ def transfer_ledger(pipe) -> TransferLedger:
     if not isinstance(pipe, DiffusionPipeline):
         raise TypeError(f"`pipe` must be a `DiffusionPipeline`, got {pipe!r}.")
     return ensure_state(pipe).ledger
+
+
+def release(pipe) -> int:
+    """Evict every offloaded component of `pipe` from the execution device now.
+
+    Components in `exclude_from_offload` (and the class's `_exclude_from_cpu_offload`, which run without a hook)
+    stay. Use it with `keep_on_device_between_generations=True`, for example before another pipeline uses the card.
+    Evicted components come back on their own the next time they run. With zero-copy eviction, unchanged components
+    are only dropped from the device (no copy back).
+
+    Args:
+        pipe (`DiffusionPipeline`): The pipeline.
+
+    Returns:
+        `int`: Bytes of component weights evicted (0 when the extension's model offload is not enabled).
+
+    Example:
+
+    ```py
+    >>> import diffusers_offload_ext as doe
+
+    >>> pipe.enable_model_cpu_offload(keep_on_device_between_generations=True)
+    >>> image = pipe("a photo of an astronaut riding a horse on mars").images[0]
+    >>> doe.release(pipe)  # the device is free for something else
+    ```
+    """
+    from diffusers import DiffusionPipeline
+
+    if not isinstance(pipe, DiffusionPipeline):
+        raise TypeError(f"`pipe` must be a `DiffusionPipeline`, got {pipe!r}.")
+    state = get_state(pipe)
+    if state is None or not state.active or state.policy is None:
+        return 0
+    stay = set(getattr(state.policy, "pinned", ())) | set(getattr(state.policy, "bounce", ()))
+    names = [n for n in state.modules if n in state.resident and n not in stay]
+    before = len(state.ledger)
+    state.carry_out([(OFFLOAD, n) for n in names])
+    return sum(record.nbytes for record in state.ledger.records[before:])
