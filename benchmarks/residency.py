@@ -13,7 +13,7 @@ call order) on the CPU, then replays each trace with the sizes of the real model
 Bytes are those that cross the bus: host-to-device copies plus device-to-host copies (stock, exclude and keep copy
 every eviction back; the manager's zero-copy evictions are free, as they are for the optimum).
 
-Regenerate `docs/benchmarks.md` (about two minutes on two CPU cores):
+Regenerate `docs/benchmarks.md` (under two minutes on two CPU cores):
 
     PYTHONPATH=. python benchmarks/residency.py --write docs/benchmarks.md
 """

@@ -101,7 +101,10 @@ class OffloadState:
         finishers = [observer(name, direction, module, nbytes) for observer in self.observers]
         with torch.profiler.record_function(f"diffusers_offload_ext::{direction}::{name}"):
             if direction == ONLOAD:
-                host_copy = HostCopy(module) if self.zero_copy else None
+                # Components that never leave the device (excluded ones) need no host copy: their host memory is
+                # freed, as stock frees it.
+                keep_host = self.zero_copy and name not in getattr(self.policy, "fixed", ())
+                host_copy = HostCopy(module) if keep_host else None
                 module.to(target)
                 if host_copy is not None:
                     host_copy.seal(module)
