@@ -88,7 +88,8 @@ class TraceRecord:
         component (`str`): The pipeline component.
         direction (`str`): `"onload"` (to the execution device) or `"offload"` (away from it).
         nbytes (`int`): Bytes of the parameters and buffers that moved.
-        kind (`str`): `"copy"` (bytes crossed) or `"drop"` (moved to `meta`: the device copy was released).
+        kind (`str`): `"copy"` (bytes crossed the bus) or `"drop"` (the device copy was released and nothing was
+            copied back: a zero-copy eviction of the residency manager, or tensors observed going to `meta`).
         source (`str`): `"extension"`, `"observed"` or `"replayed"` (see the module docstring).
         src (`str`): Device the tensors were on.
         dst (`str`): Device they went to.
