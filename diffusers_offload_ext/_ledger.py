@@ -28,6 +28,25 @@ def module_nbytes(module: torch.nn.Module) -> int:
     return total
 
 
+def new_counter() -> dict:
+    """Zeroed counters of moves and bytes, as `TransferLedger.summary()` reports them."""
+    return {"onloads": 0, "offloads": 0, "onload_bytes": 0, "offload_bytes": 0, "dropped_bytes": 0, "total_bytes": 0}
+
+
+def count(counter: dict, record) -> None:
+    """Add one record (anything with `direction`, `nbytes`, `kind` and `copied_bytes`) to `counter`."""
+    if record.direction == ONLOAD:
+        counter["onloads"] += 1
+        counter["onload_bytes"] += record.nbytes
+    else:
+        counter["offloads"] += 1
+        if record.kind == DROP:
+            counter["dropped_bytes"] += record.nbytes
+        else:
+            counter["offload_bytes"] += record.nbytes
+    counter["total_bytes"] += record.copied_bytes
+
+
 @dataclasses.dataclass(frozen=True)
 class TransferRecord:
     """One move of one component.
@@ -104,35 +123,13 @@ class TransferLedger:
             bus), `per_component` and `per_call` (the same counters keyed by component name and by call index).
         """
 
-        def empty() -> dict:
-            return {
-                "onloads": 0,
-                "offloads": 0,
-                "onload_bytes": 0,
-                "offload_bytes": 0,
-                "dropped_bytes": 0,
-                "total_bytes": 0,
-            }
-
-        def add(counter: dict, record: TransferRecord) -> None:
-            if record.direction == ONLOAD:
-                counter["onloads"] += 1
-                counter["onload_bytes"] += record.nbytes
-            else:
-                counter["offloads"] += 1
-                if record.kind == DROP:
-                    counter["dropped_bytes"] += record.nbytes
-                else:
-                    counter["offload_bytes"] += record.nbytes
-            counter["total_bytes"] += record.copied_bytes
-
-        total = empty()
+        total = new_counter()
         per_component: dict = {}
         per_call: dict = {}
         for record in self.records:
-            add(total, record)
-            add(per_component.setdefault(record.component, empty()), record)
-            add(per_call.setdefault(record.call_index, empty()), record)
+            count(total, record)
+            count(per_component.setdefault(record.component, new_counter()), record)
+            count(per_call.setdefault(record.call_index, new_counter()), record)
         total["per_component"] = per_component
         total["per_call"] = per_call
         return total

@@ -6,7 +6,7 @@ import math
 import textwrap
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ._ledger import DROP, ONLOAD
+from ._ledger import DROP, ONLOAD, count, new_counter
 
 ONLOAD_COLOR = "#1f6fb4"
 OFFLOAD_COLOR = "#c8372d"
@@ -38,29 +38,11 @@ def format_seconds(seconds: Optional[float]) -> str:
 
 
 def _counter() -> dict:
-    return {
-        "onloads": 0,
-        "offloads": 0,
-        "onload_bytes": 0,
-        "offload_bytes": 0,
-        "dropped_bytes": 0,
-        "total_bytes": 0,
-        "seconds": 0.0,
-        "timed_moves": 0,
-    }
+    return {**new_counter(), "seconds": 0.0, "timed_moves": 0}
 
 
 def _add(counter: dict, record) -> None:
-    if record.direction == ONLOAD:
-        counter["onloads"] += 1
-        counter["onload_bytes"] += record.nbytes
-    else:
-        counter["offloads"] += 1
-        if record.kind == DROP:
-            counter["dropped_bytes"] += record.nbytes
-        else:
-            counter["offload_bytes"] += record.nbytes
-    counter["total_bytes"] += record.copied_bytes
+    count(counter, record)
     if record.duration_s is not None:
         counter["seconds"] += record.duration_s
         counter["timed_moves"] += 1
@@ -269,7 +251,7 @@ def plot_traces(items: Sequence[Tuple[Optional[str], object]], path: Optional[st
     handles = [
         Line2D([0], [0], color=ONLOAD_COLOR, marker="^", lw=2, label="onload (up), height ~ bytes"),
         Line2D([0], [0], color=OFFLOAD_COLOR, marker="v", lw=2, label="offload (down), height ~ bytes"),
-        Line2D([0], [0], color=DROP_COLOR, marker="x", lw=2, ls=":", label="dropped (to meta)"),
+        Line2D([0], [0], color=DROP_COLOR, marker="x", lw=2, ls=":", label="dropped (device copy released)"),
         Patch(facecolor=RESIDENT_COLOR, alpha=0.3, label="resident on the execution device"),
         Patch(facecolor=USE_COLOR, label="component ran"),
     ]
