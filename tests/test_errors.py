@@ -88,7 +88,7 @@ def test_no_accelerator_and_no_device(installed, monkeypatch):
     if not hasattr(torch_utils, "get_device"):
         pytest.skip("diffusers < 0.33 defaults to 'cuda' instead of detecting the accelerator")
     monkeypatch.setattr(torch_utils, "get_device", lambda: "cpu")
-    with pytest.raises(RuntimeError, match="requires an accelerator"):
+    with pytest.raises(RuntimeError, match="requires (an )?accelerator"):
         pipe.enable_model_cpu_offload()
     assert getattr(pipe, "_all_hooks", []) == []
 

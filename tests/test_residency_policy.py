@@ -10,6 +10,8 @@ import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
+pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the residency manager is not in the upstream patch")
+
 from diffusers_offload_ext._policy import END, OFFLOAD, ONLOAD, ChainPolicy
 from diffusers_offload_ext._residency import (
     ResidencyPolicy,
