@@ -12,11 +12,12 @@ import copy
 import functools
 import json
 import os
-import re
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from diffusers.utils import logging
+
+from ._residency import parse_size as _residency_parse_size
 
 logger = logging.get_logger(__name__)
 
@@ -50,44 +51,22 @@ class PlanError(ValueError):
 # Parsing
 # ----------------------------------------------------------------------------------------------------------------
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?\s*([A-Za-z]*)\s*$")
-
 
 def parse_size(text: str, *, what: str = "size") -> int:
-    """Bytes in `text`: `"24GiB"`, `"24 GB"`, `"1.5TiB"`, `"512MiB"`, `"24e9"`.
-
-    `KB`/`MB`/`GB`/`TB` are powers of 1000, `KiB`/`MiB`/`GiB`/`TiB` powers of 1024; case does not matter.
+    """Bytes in `text`: `"24GiB"`, `"24 GB"`, `"1.5TiB"`, `"512MiB"`, `"24e9"` (the grammar of `memory_budget`).
 
     Raises:
         `PlanError`: `text` is not a positive quantity with a known unit.
     """
-    match = _QUANTITY.match(str(text))
-    unit = match.group(3).lower() if match else None
-    if match is None or unit not in _UNITS:
+    value = _residency_parse_size(str(text))
+    if value is None:
         raise PlanError(
             f"Cannot read {what} {text!r}: write a number and a unit such as '24GiB', '24GB', '512MiB' "
             f"(KB/MB/GB/TB = powers of 1000, KiB/MiB/GiB/TiB = powers of 1024)."
         )
-    value = float(match.group(1)) * 10 ** int(match.group(2) or 0) * _UNITS[unit]
     if value <= 0:
         raise PlanError(f"{what.capitalize()} must be positive, got {text!r}.")
-    return int(value)
+    return value
 
 
 def parse_bandwidth(text: str) -> float:

@@ -21,6 +21,7 @@ budget, with free eviction, by the same kind of dynamic programme run forward.
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 from typing import Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
 
 from ._policy import END, OFFLOAD, ONLOAD, Move
@@ -50,29 +51,25 @@ _UNITS = {
     "gib": 1 << 30,
     "tib": 1 << 40,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?\s*([A-Za-z]*)\s*$")
 UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
 
 
 def parse_size(text: str) -> Optional[int]:
-    """Bytes in `text` (`"20GiB"`, `"12 GB"`, `"1.5GiB"`, `"512MiB"`, `"1024"`), or `None` if it does not parse.
+    """Bytes in `text` (`"20GiB"`, `"12 GB"`, `"1.5GiB"`, `"512MiB"`, `"1024"`, `"24e9"`), or `None` if it does not
+    parse.
 
     Units are case-insensitive; `KB`/`MB`/`GB`/`TB` are powers of 1000, `KiB`/`MiB`/`GiB`/`TiB` powers of 1024.
-    Fractions of a byte are dropped.
+    Fractions of a byte are dropped; the arithmetic is exact (`"1.5GiB"` is exactly 1.5 * 2**30 bytes).
     """
-    match = _SIZE.match(text)
+    match = _SIZE.match(str(text))
     if match is None:
         return None
-    unit = _UNITS.get(match.group(2).lower())
+    unit = _UNITS.get(match.group(3).lower())
     if unit is None:
         return None
-    number = match.group(1)
-    if "." in number:
-        whole, _, fraction = number.partition(".")
-        # Exact decimal arithmetic: "1.5GiB" is exactly 1.5 * 2**30 bytes.
-        scale = 10 ** len(fraction)
-        return (int(whole or "0") * scale + int(fraction or "0")) * unit // scale
-    return int(number) * unit
+    value = Fraction(match.group(1)) * Fraction(10) ** int(match.group(2) or 0) * unit
+    return int(value)
 
 
 def format_size(nbytes: Optional[float]) -> str:

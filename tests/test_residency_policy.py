@@ -98,13 +98,15 @@ def stock(names, chain=None):
         ("1024", 1024),
         ("7B", 7),
         ("2TiB", 2 * 2**40),
+        ("24e9", 24 * 10**9),
+        ("1.5e3 MiB", 1500 * 2**20),
     ],
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "twelve GB", "12 parsecs", "-1GiB", "1e9", "12GiB of memory", "1,5GB"])
+@pytest.mark.parametrize("text", ["", "GiB", "twelve GB", "12 parsecs", "-1GiB", "1e", "12GiB of memory", "1,5GB"])
 def test_parse_size_rejects(text):
     assert parse_size(text) is None
 
