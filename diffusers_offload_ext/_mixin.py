@@ -14,7 +14,7 @@ from . import _memory
 from ._hook import DeferredCpuOffload, OffloadHandle
 from ._ledger import module_nbytes
 from ._options import OffloadOptions, module_components, resolve_budget, resolve_device, resolve_options
-from ._policy import ChainPolicy
+from ._policy import ChainPolicy, layout
 from ._residency import ResidencyPolicy
 from ._state import ensure_state, get_state, placement
 
@@ -179,10 +179,7 @@ def enable_model_cpu_offload(
     pinned = [n for n in options.exclude_from_offload if n in modules]
     class_excluded = list(getattr(self, "_exclude_from_cpu_offload", None) or [])
     sequence = [n.strip() for n in self.model_cpu_offload_seq.split("->")]
-    chain = [n for n in dict.fromkeys(sequence) if n in modules and n not in pinned]
-    outside = [n for n in modules if n not in chain and n not in pinned and n not in class_excluded]
-    bounce = [n for n in modules if n not in chain and n not in pinned and n in class_excluded]
-    hooked = chain + outside
+    chain, hooked, bounce = layout(list(modules), sequence, class_excluded, pinned)
     if options.residency:
         state.policy = _residency_policy(state, options, modules, chain, hooked, pinned, bounce, budget, auto_budget)
     else:

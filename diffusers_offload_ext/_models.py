@@ -321,7 +321,7 @@ def pipeline_layout(pipe) -> dict:
     sequence = [n.strip() for n in (pipe.model_cpu_offload_seq or "").split("->")]
     chain = [n for n in dict.fromkeys(sequence) if n in modules]
     excluded = [n for n in (getattr(pipe, "_exclude_from_cpu_offload", None) or []) if n in modules]
-    return {"order": modules, "chain": chain, "excluded": excluded}
+    return {"order": modules, "chain": chain, "excluded": excluded, "sequence": sequence}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -334,17 +334,17 @@ STRATEGIES = ("stock", "exclude_denoiser", "keep_during_generation", "residency"
 def _policies(layout: dict, sizes: Mapping[str, int], denoisers: Sequence[str], budget: int):
     """`{strategy: (policy, call string, zero_copy) or Exception}`, each a fresh policy object."""
     from ._policy import ChainPolicy
+    from ._policy import layout as offload_layout
 
     order, chain, excluded = layout["order"], layout["chain"], layout["excluded"]
     pinned = [n for n in denoisers if n in order]
 
+    sequence = layout["sequence"]
+
     def chain_policy(pin=(), kept_all=False):
-        ch = [n for n in chain if n not in pin]
-        outside = [n for n in order if n not in ch and n not in pin and n not in excluded]
-        hooked = ch + outside
-        bounce = [n for n in order if n not in ch and n not in pin and n in excluded]
+        chain_, hooked, bounce = offload_layout(order, sequence, excluded, pin)
         return ChainPolicy(
-            order=order, chain=ch, hooked=hooked, pinned=pin, bounce=bounce, kept=hooked if kept_all else ()
+            order=order, chain=chain_, hooked=hooked, pinned=pin, bounce=bounce, kept=hooked if kept_all else ()
         )
 
     names = ", ".join(f'"{n}"' for n in pinned)
@@ -366,7 +366,7 @@ def _policies(layout: dict, sizes: Mapping[str, int], denoisers: Sequence[str], 
     except ImportError as error:
         out["residency"] = error
     else:
-        hooked = chain + [n for n in order if n not in chain and n not in excluded]
+        chain, hooked, bounce = offload_layout(order, sequence, excluded)
         gib = budget / (1 << 30)
         out["residency"] = (
             ResidencyPolicy(
@@ -374,7 +374,7 @@ def _policies(layout: dict, sizes: Mapping[str, int], denoisers: Sequence[str], 
                 chain=chain,
                 hooked=hooked,
                 sizes=sizes,
-                bounce=[n for n in order if n in excluded and n not in chain],
+                bounce=bounce,
                 budget=budget,
                 keep_between=True,
             ),

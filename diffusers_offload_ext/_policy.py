@@ -12,7 +12,7 @@ replay of a recorded trace (`replay`), so predictions and the real ledger come f
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
 
 ONLOAD = "onload"
 OFFLOAD = "offload"
@@ -20,6 +20,40 @@ OFFLOAD = "offload"
 END = "<end of call>"
 
 Move = Tuple[str, str]
+
+
+class Layout(NamedTuple):
+    """Who is chained, who has a hook, who bounces: what `enable_model_cpu_offload` builds from a pipeline."""
+
+    chain: List[str]
+    hooked: List[str]
+    bounce: List[str]
+
+
+def layout(
+    order: Sequence[str], sequence: Sequence[str], class_excluded: Iterable[str] = (), pinned: Iterable[str] = ()
+) -> Layout:
+    """The offload layout of a pipeline.
+
+    Args:
+        order (`Sequence[str]`): The module components, in the pipeline's order.
+        sequence (`Sequence[str]`): `model_cpu_offload_seq` split on `->`.
+        class_excluded (`Iterable[str]`, defaults to `()`): The class's `_exclude_from_cpu_offload`.
+        pinned (`Iterable[str]`, defaults to `()`): `exclude_from_offload`.
+
+    Returns:
+        `Layout`: `chain` (the sequence's components that are present and not pinned, in order), `hooked` (the chain,
+        then the components outside it that no list excludes) and `bounce` (class-excluded components outside the
+        chain, which stock moves to the host and back whenever offload is armed).
+    """
+    pinned, class_excluded = set(pinned), set(class_excluded)
+    chain = [n for n in dict.fromkeys(sequence) if n in order and n not in pinned]
+    rest = [n for n in order if n not in chain and n not in pinned]
+    return Layout(
+        chain=chain,
+        hooked=chain + [n for n in rest if n not in class_excluded],
+        bounce=[n for n in rest if n in class_excluded],
+    )
 
 
 class ChainPolicy:

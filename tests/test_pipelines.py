@@ -110,3 +110,32 @@ def test_callback_raising_at_step_k(installed, name, error):
     assert max_abs_diff(image, tiny.run(fresh, name, seed=0)) <= TOLERANCE
     strip = lambda records: [(r.component, r.direction, r.nbytes) for r in records]
     assert strip(ledger.records) == strip(fresh_ledger.records)
+
+
+@pytest.mark.plugin_only
+@pytest.mark.parametrize("strategy", ["stock", "exclude_denoiser", "keep_during_generation"])
+@pytest.mark.parametrize("name", [n for n in tiny.PIPELINES if tiny.available(n)[0]])
+def test_planner_replay_equals_the_ledger(installed, name, strategy):
+    """`diffusers-offload plan` and the benchmarks replay policies over recorded traces: on the same trace the replay
+    must make exactly the moves the real ledger records (preview every step, two calls)."""
+    from diffusers_offload_ext import _models
+    from spy import nbytes
+
+    doe = installed
+    denoiser = DENOISER.get(name, "transformer")
+    options = {
+        "stock": {},
+        "exclude_denoiser": {"exclude_from_offload": [denoiser]},
+        "keep_during_generation": {"keep_on_device_during_generation": True},
+    }[strategy]
+    layout = _models.pipeline_layout(tiny.build(name))
+    pipe = tiny.build(name)
+    pipe.enable_model_cpu_offload(device="cpu", **options)
+    for _ in range(2):
+        tiny.run(pipe, name, seed=0, preview=True)
+    trace = [event for call in pipe._offload_ext_state.traces for event in (*call, doe.END)]
+    sizes = {n: nbytes(m) for n, m in modules_of(pipe).items()}
+    policy = _models._policies(layout, sizes, [denoiser], 80 << 30)[strategy][0]
+    replayed = doe.replay(policy, trace, sizes)
+    real = [(r.direction, r.component, r.nbytes) for r in doe.transfer_ledger(pipe).records]
+    assert replayed == real
