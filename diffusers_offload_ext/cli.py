@@ -565,6 +565,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     threads = torch.get_num_threads()
     # The tiny pipelines are a few hundred kilobytes: more threads only add contention.
     torch.set_num_threads(1)
+    # Importing the pipeline classes makes transformers warn about image processors the tiny pipelines never use.
+    verbosity = _transformers_verbosity(40)
     try:
         return args.handler(args)
     except PlanError as error:
@@ -573,6 +575,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _error("interrupted", args.json, code=130)
     finally:
         torch.set_num_threads(threads)
+        _transformers_verbosity(verbosity)
+
+
+def _transformers_verbosity(level: Optional[int]) -> Optional[int]:
+    """Set transformers' log level (errors only = 40); return the previous one (`None` without transformers)."""
+    try:
+        from transformers.utils import logging as transformers_logging
+    except ImportError:
+        return None
+    previous = transformers_logging.get_verbosity()
+    if level is not None:
+        transformers_logging.set_verbosity(level)
+    return previous
 
 
 if __name__ == "__main__":
