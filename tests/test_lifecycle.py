@@ -272,3 +272,13 @@ def test_pre_forward_is_constant_work_when_resident(installed, monkeypatch):
         hook.pre_forward(pipe.transformer)
         hook.pre_forward(pipe.transformer, torch.ones(2), x=torch.ones(2))
     assert counted == []
+
+
+def test_execution_device_with_the_first_component_excluded(installed):
+    """`_execution_device` looks at the first component not in `_exclude_from_cpu_offload`: an excluded component
+    has no hook, so without the instance-level merge it would answer the host (`cpu`) instead of `cpu:0`."""
+    pipe = toy.build()
+    pipe.enable_model_cpu_offload(device="cpu", exclude_from_offload=["text_encoder", "text_encoder_2"])
+    assert pipe._execution_device == torch.device("cpu", 0)
+    pipe(PREVIEW)
+    assert pipe._execution_device == torch.device("cpu", 0)
