@@ -65,7 +65,8 @@ class OffloadState:
 
     # -- what the hooks call ---------------------------------------------------------------------------------
     def on_use(self, name: str) -> None:
-        self.trace.append(name)
+        if self.call_depth:  # the trace of the current call (uses outside a call are not predicted from)
+            self.trace.append(name)
         moves = self.policy.on_use(name, self.resident)
         if moves:
             self.carry_out(moves)
