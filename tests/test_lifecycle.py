@@ -282,3 +282,16 @@ def test_execution_device_with_the_first_component_excluded(installed):
     assert pipe._execution_device == torch.device("cpu", 0)
     pipe(PREVIEW)
     assert pipe._execution_device == torch.device("cpu", 0)
+
+
+@pytest.mark.plugin_only
+def test_uses_outside_calls_are_not_traced(installed):
+    pipe = toy.build()
+    pipe.enable_model_cpu_offload(device="cpu")
+    for _ in range(100):
+        pipe.transformer()
+        pipe.vae.decode()
+    state = pipe._offload_ext_state
+    assert state.trace == []
+    pipe(PREVIEW)
+    assert state.traces == [tuple(PREVIEW)]
