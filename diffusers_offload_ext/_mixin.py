@@ -158,16 +158,20 @@ def enable_model_cpu_offload(
         getattr(self, "_offload_device", None),
         getattr(self, "_offload_gpu_id", None),
     )
+    modules = {n: m for n, m in module_components(components).items() if not _loaded_in_8bit(m)}
+    pinned = [n for n in options.exclude_from_offload if n in modules]
+    class_excluded = _user_exclusion(self, state)
+    sequence = [n.strip() for n in self.model_cpu_offload_seq.split("->")]
+    chain, hooked, bounce = layout(list(modules), sequence, class_excluded, pinned)
     budget = auto_budget = None
     if options.residency:
-        budget, auto_budget = _residency_budget(self, state, options, components, exec_device)
+        budget, auto_budget = _residency_budget(state, options, modules, pinned + bounce, exec_device)
 
     # Nothing was changed above this line.
     state = ensure_state(self)
     STOCK["remove_all_hooks"](self)
     _restore_exclusion(self, state)
 
-    modules = {n: m for n, m in module_components(components).items() if not _loaded_in_8bit(m)}
     if state.device is not None and state.device != exec_device:
         state.carry_out([("offload", n) for n in sorted(state.resident & set(state.modules))])
     state.modules = modules
@@ -176,10 +180,6 @@ def enable_model_cpu_offload(
     self._offload_gpu_id = index
     self._offload_device = exec_device
 
-    pinned = [n for n in options.exclude_from_offload if n in modules]
-    class_excluded = list(getattr(self, "_exclude_from_cpu_offload", None) or [])
-    sequence = [n.strip() for n in self.model_cpu_offload_seq.split("->")]
-    chain, hooked, bounce = layout(list(modules), sequence, class_excluded, pinned)
     if options.residency:
         state.policy = _residency_policy(state, options, modules, chain, hooked, pinned, bounce, budget, auto_budget)
     else:
@@ -232,15 +232,10 @@ def _user_exclusion(pipe, state) -> List[str]:
     return list(getattr(pipe, "_exclude_from_cpu_offload", None) or [])
 
 
-def _residency_budget(pipe, state, options, components, device):
-    """The residency manager's budget, validated before anything changes (see `resolve_budget`)."""
-    modules = {n: m for n, m in module_components(components).items() if not _loaded_in_8bit(m)}
-    sequence = [n.strip() for n in pipe.model_cpu_offload_seq.split("->")]
-    pinned = [n for n in options.exclude_from_offload if n in modules]
-    class_excluded = _user_exclusion(pipe, state)
-    fixed = {
-        n: module_nbytes(m) for n, m in modules.items() if n in pinned or (n in class_excluded and n not in sequence)
-    }
+def _residency_budget(state, options, modules, fixed_names, device):
+    """The residency manager's budget, validated before anything changes (see `resolve_budget`). `fixed_names`
+    are the components that stay on the device whatever the manager does (pinned, and the class's exclusions)."""
+    fixed = {n: module_nbytes(modules[n]) for n in fixed_names}
     # What the pipeline holds on the device: free memory does not count it. The parameters tell on an accelerator;
     # the record tells where they cannot (the CPU, where tests mock the memory functions).
     recorded = state.resident if state is not None and state.device == device else set()
