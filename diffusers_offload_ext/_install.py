@@ -13,7 +13,6 @@ logger = logging.get_logger(__name__)
 
 _METHODS = (
     "enable_model_cpu_offload",
-    "maybe_free_model_hooks",
     "remove_all_hooks",
     "to",
 )
@@ -56,9 +55,10 @@ def _init_subclass(cls, **kwargs):
 def install() -> None:
     """Add `exclude_from_offload` and `keep_on_device_during_generation` to every `DiffusionPipeline`.
 
-    Replaces `enable_model_cpu_offload`, `maybe_free_model_hooks`, `remove_all_hooks` and `to` on
-    `DiffusionPipeline`, and wraps the `__call__` of every pipeline class, those imported already and those imported
-    later, so that a call that raises still offloads. Calling it again does nothing; `uninstall()` undoes it.
+    Replaces `enable_model_cpu_offload`, `remove_all_hooks` and `to` on `DiffusionPipeline` (stock's
+    `maybe_free_model_hooks` re-enables offload through the replaced method, with the sticky options), and wraps
+    the `__call__` of every pipeline class, those imported already and those imported later, so that a call that
+    raises still offloads. Calling it again does nothing; `uninstall()` undoes it.
 
     Example:
 

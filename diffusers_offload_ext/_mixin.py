@@ -28,7 +28,6 @@ STOCK = {
     name: getattr(DiffusionPipeline.__dict__[name], MARK, DiffusionPipeline.__dict__[name])
     for name in (
         "enable_model_cpu_offload",
-        "maybe_free_model_hooks",
         "remove_all_hooks",
         "to",
     )
@@ -291,24 +290,6 @@ def _restore_exclusion(pipe, state) -> None:
         pipe.__dict__.pop("_exclude_from_cpu_offload", None)
 
 
-def maybe_free_model_hooks(self) -> None:
-    r"""
-    Offloads all components at the end of a pipeline call and re-arms the hooks with the options in force (stock's
-    `maybe_free_model_hooks`, which also resets stateful diffusers hooks). Components in `exclude_from_offload`
-    stay on the device.
-    """
-    state = get_state(self)
-    if state is None or not state.active:
-        return STOCK["maybe_free_model_hooks"](self)
-    state.closing_call = True
-    try:
-        # Stock resets stateful hooks, then re-enables offload with `device=self._offload_device` (which is us,
-        # with the sticky options), unless no component has a hook.
-        STOCK["maybe_free_model_hooks"](self)
-    finally:
-        state.closing_call = False
-
-
 def remove_all_hooks(self) -> None:
     r"""
     Removes all hooks added by `enable_sequential_cpu_offload` or `enable_model_cpu_offload` (stock's), and forgets
@@ -393,7 +374,6 @@ class OffloadMixin:
     """
 
     enable_model_cpu_offload = enable_model_cpu_offload
-    maybe_free_model_hooks = maybe_free_model_hooks
     remove_all_hooks = remove_all_hooks
     to = to
 

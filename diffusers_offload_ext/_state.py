@@ -45,7 +45,6 @@ class OffloadState:
         self.modules: Dict[str, torch.nn.Module] = {}
         self.resident: Set[str] = set()
         self.active = False
-        self.closing_call = False
         self.saved_exclusion: Optional[Tuple[bool, object]] = None
         self.call_depth = 0
         self.calls_started = 0
