@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable, List, Optional, Union
+from typing import Iterable, List, Optional, Union
 
 import torch
 from accelerate.hooks import add_hook_to_module

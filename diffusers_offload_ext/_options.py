@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Iterable, Mapping
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from diffusers.utils import logging
@@ -56,11 +56,6 @@ class OffloadOptions:
         """The names among `offloaded` that the chain must not evict."""
         offloaded = list(offloaded)
         return frozenset(offloaded) if self.keep_all else frozenset(n for n in self.keep if n in offloaded)
-
-    @property
-    def keep_argument(self) -> Union[bool, Tuple[str, ...]]:
-        """The value as a user would pass it again."""
-        return True if self.keep_all else self.keep
 
 
 def module_components(components: Mapping[str, Any]) -> Dict[str, torch.nn.Module]:

@@ -1,7 +1,6 @@
 """Item 7: bad input gets a clear error, raised before anything changes."""
 
 import pytest
-import torch
 import toy
 from spy import MoveSpy, modules_of
 
@@ -94,8 +93,6 @@ def test_no_accelerator_and_no_device(installed, monkeypatch):
 
 
 def _stock_error(pipe_factory, prepare):
-    from diffusers import DiffusionPipeline
-
     import diffusers_offload_ext._mixin as mixin
 
     pipe = pipe_factory()

@@ -5,7 +5,7 @@ import inspect
 import pytest
 import torch
 import toy
-from harness import Session, hooked_names, ledger_moves
+from harness import hooked_names
 from spy import MoveSpy, modules_of
 
 PREVIEW = ["text_encoder", "text_encoder_2"] + ["transformer", "vae"] * 3
@@ -102,15 +102,11 @@ def test_failed_call_leaves_nothing_pinned(installed, interrupt, keep):
 
 @pytest.mark.plugin_only
 def test_callback_raising_at_step_k(installed):
-    doe = installed
     pipe = toy.build()
     pipe.enable_model_cpu_offload(device="cpu", exclude_from_offload="vae", keep_on_device_during_generation=True)
 
     class Stop(Exception):
         pass
-
-    def fail_in_transformer(*args, **kwargs):
-        raise Stop()
 
     pipe(PREVIEW)
     pipe.transformer.register_forward_hook(lambda *a: (_ for _ in ()).throw(Stop()))

@@ -3,7 +3,6 @@ call, a call with a preview-decoding step callback, and three calls in a row, un
 
 import pytest
 import tiny_pipelines as tiny
-import torch
 from harness import Session, canonical, hooked_names, ledger_moves, max_abs_diff
 from spy import EXEC, modules_of
 
