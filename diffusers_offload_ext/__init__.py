@@ -1,36 +1,55 @@
-"""diffusers-offload-ext: controllable, cheap model CPU offload for diffusers pipelines."""
+"""diffusers-offload-ext: controllable, fast model CPU offload for diffusers pipelines.
 
-from ._hook import DeferredCpuOffload, OffloadHandle
-from ._install import install, is_installed, uninstall
-from ._ledger import TransferLedger, TransferRecord, module_nbytes
-from ._mixin import OffloadMixin
-from ._options import OffloadOptions
-from ._policy import END, ChainPolicy, replay
-from ._residency import ResidencyPolicy, optimal_bytes
-from ._state import release, transfer_ledger
-from ._trace import Trace, TraceRecord, trace
+Names are loaded on first use, so that `import diffusers_offload_ext` stays cheap.
+"""
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-__all__ = [
-    "ChainPolicy",
-    "DeferredCpuOffload",
-    "END",
-    "OffloadHandle",
-    "OffloadMixin",
-    "OffloadOptions",
-    "ResidencyPolicy",
-    "TransferLedger",
-    "TransferRecord",
-    "Trace",
-    "TraceRecord",
-    "install",
-    "is_installed",
-    "module_nbytes",
-    "optimal_bytes",
-    "release",
-    "replay",
-    "trace",
-    "transfer_ledger",
-    "uninstall",
-]
+import importlib
+from typing import Any
+
+__version__ = "0.2.0"
+
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "ChainPolicy": "policies.chain",
+    "ComponentStatus": "runtime.api",
+    "DeferredCpuOffload": "runtime.hook",
+    "END": "constants",
+    "OffloadHandle": "runtime.hook",
+    "OffloadMixin": "runtime.methods",
+    "OffloadOptions": "runtime.options",
+    "OffloadStatus": "runtime.api",
+    "PipelineLayout": "layout",
+    "ResidencyPolicy": "policies.residency",
+    "Trace": "observe.tracing",
+    "TraceRecord": "observe.tracing",
+    "TransferLedger": "observe.ledger",
+    "TransferRecord": "observe.ledger",
+    "install": "runtime.install",
+    "is_installed": "runtime.install",
+    "module_nbytes": "transfer.book",
+    "offload_status": "runtime.api",
+    "optimal_bytes": "policies.optimum",
+    "release": "runtime.api",
+    "replay": "policies.replay",
+    "replay_trace": "policies.replay",
+    "trace": "observe.tracing",
+    "transfer_ledger": "runtime.api",
+    "uninstall": "runtime.install",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -6,7 +6,8 @@ import math
 import textwrap
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ._ledger import DROP, ONLOAD, count, new_counter
+from ..constants import DROP, ONLOAD
+from .ledger import count, new_counter
 
 ONLOAD_COLOR = "#1f6fb4"
 OFFLOAD_COLOR = "#c8372d"

@@ -24,9 +24,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 import torch
 from diffusers.utils import logging
 
-from ._ledger import COPY, DROP, OFFLOAD, ONLOAD
-from ._policy import ChainPolicy, apply
-from ._state import get_state
+from ..constants import COPY, DROP, OFFLOAD, ONLOAD
+from ..policies import ChainPolicy, apply
+from ..runtime.arming import get_session as get_state
 
 logger = logging.get_logger(__name__)
 
@@ -229,7 +229,7 @@ class Trace:
 
     def summary(self) -> dict:
         """Counts, bytes and seconds in total, per component, per call and per source (see `_report.summarize`)."""
-        from ._report import summarize
+        from .report import summarize
 
         return summarize(self)
 
@@ -289,7 +289,7 @@ class Trace:
 
     def table(self, *, by: str = "component"):
         """A `rich.table.Table` of moves and bytes per component (`by="component"`) or per call (`by="call"`)."""
-        from ._report import summary_table
+        from .report import summary_table
 
         return summary_table(self, by=by)
 
@@ -297,7 +297,7 @@ class Trace:
         """A timeline (matplotlib `Figure`, Agg canvas): one lane per component, moves as marks sized by bytes,
         resident intervals shaded. `x="step"` (calls side by side, slots for before the loop, each step and after it)
         or `x="time"` (seconds). Saved as PNG to `path` when given."""
-        from ._report import plot_traces
+        from .report import plot_traces
 
         return plot_traces([(title, self)], path, x=x)
 
@@ -477,7 +477,7 @@ def _is_cpu_offload(hook) -> bool:
 
 
 def _is_extension_hook(hook) -> bool:
-    from ._hook import DeferredCpuOffload
+    from ..runtime.hook import DeferredCpuOffload
 
     return any(isinstance(h, DeferredCpuOffload) for h in _hook_chain(hook))
 
@@ -528,7 +528,7 @@ class _StepBar:
 
 def _traced_class(cls: type, tracer: "_Tracer") -> type:
     """A subclass of the pipeline's class whose calls, progress bars and offload methods tell `tracer`."""
-    from ._mixin import MARK
+    from ..runtime.arming import MARK
 
     def __call__(self, *args, **kwargs):
         failed = True
@@ -652,7 +652,7 @@ class _Tracer:
 
     def refresh(self, initial: bool = False) -> None:
         """Re-read components, devices, hooks and the offload mode (at start, each call, after offload methods)."""
-        from ._options import module_components
+        from ..runtime.options import module_components
 
         pipe = self.pipe
         self.slot_cache = {}
@@ -696,7 +696,7 @@ class _Tracer:
         self.replay_policy = self.stock_chain_policy() if self.replays_model_offload() else None
         if initial and self.replay_policy is not None:
             # Stock re-arms offload at the end of every call: a pipeline between calls is in the post-enable state.
-            self.replay_resident = set(self.replay_policy.bounce)
+            self.replay_resident = set(self.replay_policy.round_trip)
             for name in self.replay_resident:
                 self.resident[name] = self.trace.components.get(name, 0)
                 self.trace.initial_resident[name] = self.resident[name]
@@ -786,7 +786,7 @@ class _Tracer:
             order=list(modules),
             chain=chain,
             hooked=chain + [n for n in hooked if n not in chain],
-            bounce=bounce,
+            round_trip=bounce,
         )
 
     # -- the extension's own moves ------------------------------------------------------------------------------
@@ -948,7 +948,7 @@ class _Tracer:
         result = self.bracket(call, self.all_scopes(), f"{type(self.pipe).__name__}.{name}")
         self.refresh()
         if name == "enable_model_cpu_offload" and self.replay_policy is not None:
-            self.replay(self.replay_policy.on_enable(self.replay_resident))
+            self.replay(self.replay_policy.on_enable(self.replay_resident).moves)
         return result
 
     def wrap_hooks(self) -> None:
@@ -1082,9 +1082,7 @@ class _Tracer:
             self.set_state_step(None)
 
     def set_state_step(self, step: Optional[int]) -> None:
-        state = get_state(self.pipe)
-        if state is not None:
-            state.step = step
+        """The ledger's step comes from the runtime's own call tracker; observers never write runtime state."""
 
     def module_entered(self, module, args) -> None:
         component = self.module_component.get(id(module))
@@ -1113,4 +1111,4 @@ class _Tracer:
         )
         policy = self.replay_policy
         if policy is not None and component in policy.hooked:
-            self.replay(policy.on_use(component, self.replay_resident))
+            self.replay(policy.on_use(component, self.replay_resident).moves)

@@ -7,15 +7,11 @@ from typing import List, Tuple
 from diffusers import DiffusionPipeline
 from diffusers.utils import logging
 
-from . import _mixin
+from .arming import MARK
+from .methods import METHODS, guard_call
 
 logger = logging.get_logger(__name__)
 
-_METHODS = (
-    "enable_model_cpu_offload",
-    "remove_all_hooks",
-    "to",
-)
 _NOTHING = object()
 
 # What install() changed, so that uninstall() can put it back exactly.
@@ -38,9 +34,9 @@ def _subclasses(cls: type):
 
 def _wrap_call(cls: type) -> None:
     call = cls.__dict__.get("__call__")
-    if call is None or getattr(call, _mixin.MARK, None) is not None:
+    if call is None or getattr(call, MARK, None) is not None:
         return
-    cls.__call__ = _mixin.guard_call(call)
+    cls.__call__ = guard_call(call)
     _wrapped_calls.append((cls, call))
 
 
@@ -55,10 +51,10 @@ def _init_subclass(cls, **kwargs):
 def install() -> None:
     """Add `exclude_from_offload` and `keep_on_device_during_generation` to every `DiffusionPipeline`.
 
-    Replaces `enable_model_cpu_offload`, `remove_all_hooks` and `to` on `DiffusionPipeline` (stock's
-    `maybe_free_model_hooks` re-enables offload through the replaced method, with the sticky options), and wraps
-    the `__call__` of every pipeline class, those imported already and those imported later, so that a call that
-    raises still offloads. Calling it again does nothing; `uninstall()` undoes it.
+    Replaces `enable_model_cpu_offload`, `remove_all_hooks`, `to`, `maybe_free_model_hooks`, `progress_bar` and
+    `__setattr__` on `DiffusionPipeline` (each calls stock's and tells the pipeline's offload session), and wraps the
+    `__call__` of every pipeline class, those imported already and those imported later, so that calls are tracked
+    and a call that raises still offloads. Calling it again does nothing; `uninstall()` undoes it.
 
     Example:
 
@@ -72,9 +68,9 @@ def install() -> None:
     global _installed, _saved_init_subclass
     if _installed:
         return
-    for name in _METHODS:
+    for name, method in METHODS.items():
         _saved_methods[name] = DiffusionPipeline.__dict__[name]
-        setattr(DiffusionPipeline, name, getattr(_mixin, name))
+        setattr(DiffusionPipeline, name, method)
     _saved_init_subclass = DiffusionPipeline.__dict__.get("__init_subclass__", _NOTHING)
     DiffusionPipeline.__init_subclass__ = classmethod(_init_subclass)
     for cls in [DiffusionPipeline, *_subclasses(DiffusionPipeline)]:

@@ -1,31 +1,11 @@
-"""The transfer ledger: one record per move of a component's weights between the host and the device."""
+"""The transfer ledger: one record per move the extension made of one pipeline's component weights."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Iterator, List, Optional
 
-import torch
-
-ONLOAD = "onload"
-OFFLOAD = "offload"
-DIRECTIONS = (ONLOAD, OFFLOAD)
-
-#: The weights crossed the bus (host-to-device for an onload, device-to-host for an offload).
-COPY = "copy"
-#: An offload that only dropped the device copy because an unchanged host copy was kept (zero-copy eviction).
-DROP = "drop"
-KINDS = (COPY, DROP)
-
-
-def module_nbytes(module: torch.nn.Module) -> int:
-    """Bytes of the parameters and buffers of `module` (each tensor counted once)."""
-    total = 0
-    for tensor in module.parameters():
-        total += tensor.numel() * tensor.element_size()
-    for tensor in module.buffers():
-        total += tensor.numel() * tensor.element_size()
-    return total
+from ..constants import DROP, ONLOAD
 
 
 def new_counter() -> dict:
@@ -54,19 +34,19 @@ class TransferRecord:
     Args:
         component (`str`): The pipeline component that moved (for example `"transformer"`).
         direction (`str`): `"onload"` (host to execution device) or `"offload"` (back to the host).
-        nbytes (`int`): Bytes of parameters and buffers moved.
+        nbytes (`int`): Bytes of parameters and buffers that changed place (for a drop: that were released).
         call_index (`int` or `None`): Index of the pipeline call the move happened in (0 for the first call made
             after offload was enabled on this pipeline), `None` outside any call (for example at enable time).
         kind (`str`, defaults to `"copy"`): `"copy"` when the bytes crossed the bus, `"drop"` for an offload that only
             released the device copy.
-        step (`int` or `None`): Denoising step the move happened in, when known.
+        step (`int` or `None`): Denoising step the move happened in, `None` outside the denoising loop.
     """
 
     component: str
     direction: str
     nbytes: int
     call_index: Optional[int]
-    kind: str = COPY
+    kind: str = "copy"
     step: Optional[int] = None
 
     @property
@@ -122,7 +102,6 @@ class TransferLedger:
             `dropped_bytes` (offloads that only released the device copy), `total_bytes` (bytes that crossed the
             bus), `per_component` and `per_call` (the same counters keyed by component name and by call index).
         """
-
         total = new_counter()
         per_component: dict = {}
         per_call: dict = {}

@@ -1,4 +1,5 @@
-"""The options of `enable_model_cpu_offload`: validation, normalisation and the sticky merge."""
+"""The options of `enable_model_cpu_offload`: validation (before anything changes), normalisation, the sticky merge,
+the execution device and the memory budget."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from diffusers.utils import logging
 
-from . import _memory
-from ._residency import DEFAULT_RESERVE, UNIT_NAMES, format_size, parse_size
+from ..constants import DEFAULT_RESERVE
+from ..transfer import memory
+from ..units import MAX_BYTES, UNIT_NAMES, SizeError, format_size, parse_size
 
 EXCLUDE = "exclude_from_offload"
 KEEP = "keep_on_device_during_generation"
@@ -30,7 +32,8 @@ class OffloadOptions:
     """The options in force on one pipeline (what `None` arguments keep on the next enable).
 
     Args:
-        exclude_from_offload (`Tuple[str, ...]`, defaults to `()`): Components pinned on the execution device.
+        exclude_from_offload (`Tuple[str, ...]`, defaults to `()`): Components excluded from offload: on the
+            execution device for good.
         keep_all (`bool`, defaults to `False`): `keep_on_device_during_generation=True` (every offloaded component).
         keep (`Tuple[str, ...]`, defaults to `()`): Components named in `keep_on_device_during_generation`.
         memory_budget (`int`, *optional*): Explicit `memory_budget` in bytes; `None`: the automatic one.
@@ -95,7 +98,7 @@ def _names(argument: str, value: Any, components: Mapping[str, Any]) -> Tuple[st
 
 
 def _size(argument: str, value: Any, example: str) -> int:
-    """Validate a size: an int of bytes or a str with a unit."""
+    """Validate a size: an int of bytes or a str with a unit; bounded, parsed in constant time."""
     if isinstance(value, bool):
         raise ValueError(
             f"`{argument}` must be a size in bytes, not a bool: got {value!r}. Pass an int of bytes or a str with a "
@@ -103,17 +106,19 @@ def _size(argument: str, value: Any, example: str) -> int:
         )
     if isinstance(value, numbers.Integral):
         nbytes = int(value)
-    elif isinstance(value, str):
-        parsed = parse_size(value)
-        if parsed is None:
-            if value.strip().startswith("-") and parse_size(value.strip()[1:]) is not None:
-                raise ValueError(f"`{argument}` must not be negative, got {value!r}. Pass for example {example!r}.")
+        if nbytes > MAX_BYTES:
             raise ValueError(
-                f"`{argument}` must be a number of bytes or a number with a unit, got {value!r}. Valid units are "
-                f"{UNIT_NAMES} (case-insensitive; KB, MB, GB, TB are powers of 1000). Pass for example "
-                f"`{argument}={example!r}`."
+                f"`{argument}`={value!r} is too large: more than {format_size(MAX_BYTES)}. Pass the size of the "
+                f"device memory to use, for example `{argument}={example!r}`."
             )
-        nbytes = parsed
+    elif isinstance(value, str):
+        try:
+            nbytes = parse_size(value)
+        except SizeError as error:
+            raise ValueError(
+                f"`{argument}`={error.text!r} is {error.reason}. Pass an int of bytes or a number with a unit "
+                f"({UNIT_NAMES}; KB, MB, GB, TB are powers of 1000), for example `{argument}={example!r}`."
+            ) from None
     else:
         raise TypeError(
             f"`{argument}` must be an int (bytes), a str with a unit such as {example!r}, or None, got {value!r} of "
@@ -250,7 +255,8 @@ def resolve_budget(
     Args:
         options (`OffloadOptions`): The options in force.
         device (`torch.device`): The execution device.
-        fixed (`Mapping[str, int]`): Bytes of each component that always stays on the device (excluded ones).
+        fixed (`Mapping[str, int]`): Bytes of each component that always stays on the device (excluded ones, and the
+            class's round trips).
         held_bytes (`int`): Bytes of the pipeline's weights already on `device` (free memory does not count them).
 
     Returns:
@@ -260,7 +266,7 @@ def resolve_budget(
         `ValueError`: `memory_reserve` larger than the device, or the excluded components alone larger than an explicit
             `memory_budget`.
     """
-    total = _memory.total_bytes(device)
+    total = memory.total_bytes(device)
     reserve = options.memory_reserve
     if total is not None and reserve > total:
         raise ValueError(
@@ -278,7 +284,7 @@ def resolve_budget(
                 f"`{BUDGET}` of at least {fixed_bytes} bytes, or leave some of them out of `{EXCLUDE}`."
             )
         return budget, False
-    free = _memory.free_bytes(device)
+    free = memory.free_bytes(device)
     if free is None:
         return None, True
     budget = max((free + held_bytes - reserve) // AUTO_BUDGET_STEP * AUTO_BUDGET_STEP, 0)

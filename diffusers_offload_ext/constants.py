@@ -1,0 +1,26 @@
+"""The words every layer shares: move directions, eviction kinds, the end-of-call marker and byte units."""
+
+#: A component's weights go to the execution device.
+ONLOAD = "onload"
+#: A component's weights leave the execution device for the host.
+OFFLOAD = "offload"
+DIRECTIONS = (ONLOAD, OFFLOAD)
+
+#: The weights crossed the bus (host to device for an onload, device to host for an offload).
+COPY = "copy"
+#: An offload that only released the device copy, because an unchanged host copy was kept (zero-copy eviction).
+DROP = "drop"
+KINDS = (COPY, DROP)
+
+#: In a recorded trace, the end of a pipeline call (`maybe_free_model_hooks()`).
+END = "<end of call>"
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+TiB = 1 << 40
+
+#: Default `memory_reserve`: what the automatic CUDA budget leaves free for activations.
+DEFAULT_RESERVE = 3 * GiB
+#: How many completed call traces a pipeline remembers (the policies predict from the last one).
+HISTORY = 8

@@ -1,0 +1,103 @@
+"""`PipelineLayout`: what model offload sees of a pipeline (its components, the offload sequence, the class's own
+exclusions) and how the options arrange it into a chain, hooked components and round trips.
+
+Built once from a live pipeline (`from_pipeline`) or from recorded data (`from_dict`), and used by enable, the
+tracer's replays, the planner and the benchmarks alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Iterable, NamedTuple, Optional, Sequence, Tuple
+
+
+class Arrangement(NamedTuple):
+    """How one set of options arranges a layout.
+
+    Args:
+        chain (`Tuple[str, ...]`): Components of `model_cpu_offload_seq` that are present and not excluded, in order.
+            When one runs, its predecessor in the chain is evicted (stock's rule).
+        hooked (`Tuple[str, ...]`): Components that get an offload hook: the chain, then the others that no list
+            excludes (they run outside the chain, like a ControlNet).
+        round_trip (`Tuple[str, ...]`): Class-excluded components outside the chain: no hook; stock moves them to
+            the host and back to the device whenever offload is armed.
+        excluded (`Tuple[str, ...]`): `exclude_from_offload`: on the device once, no hook, never moved again.
+    """
+
+    chain: Tuple[str, ...]
+    hooked: Tuple[str, ...]
+    round_trip: Tuple[str, ...]
+    excluded: Tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLayout:
+    """The pipeline as model offload sees it.
+
+    Args:
+        order (`Tuple[str, ...]`): The module components, in the pipeline's order.
+        sequence (`Tuple[str, ...]`): `model_cpu_offload_seq` split on `->`.
+        class_excluded (`Tuple[str, ...]`, defaults to `()`): The pipeline's `_exclude_from_cpu_offload` (the
+            instance's if it has its own), restricted to `order`.
+    """
+
+    order: Tuple[str, ...]
+    sequence: Tuple[str, ...]
+    class_excluded: Tuple[str, ...] = ()
+
+    def arrange(self, excluded: Iterable[str] = ()) -> Arrangement:
+        """The chain, hooked components and round trips when `excluded` are excluded from offload."""
+        excluded = tuple(n for n in dict.fromkeys(excluded) if n in self.order)
+        chain = tuple(n for n in dict.fromkeys(self.sequence) if n in self.order and n not in excluded)
+        rest = [n for n in self.order if n not in chain and n not in excluded]
+        return Arrangement(
+            chain=chain,
+            hooked=chain + tuple(n for n in rest if n not in self.class_excluded),
+            round_trip=tuple(n for n in rest if n in self.class_excluded),
+            excluded=excluded,
+        )
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "order": list(self.order),
+            "sequence": list(self.sequence),
+            "class_excluded": list(self.class_excluded),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "PipelineLayout":
+        order = tuple(data["order"])
+        return cls(
+            order=order,
+            sequence=tuple(data["sequence"]),
+            class_excluded=tuple(n for n in data.get("class_excluded", ()) if n in order),
+        )
+
+    @classmethod
+    def from_pipeline(cls, pipe, class_excluded: Optional[Sequence[str]] = None) -> "PipelineLayout":
+        """The layout of a live pipeline. Components that are not `torch.nn.Module`s, and bitsandbytes 8-bit ones
+        (they cannot move), are left out. `class_excluded` defaults to the pipeline's `_exclude_from_cpu_offload`."""
+        order = tuple(modules_of(pipe.components))
+        if class_excluded is None:
+            class_excluded = getattr(pipe, "_exclude_from_cpu_offload", None) or ()
+        return cls(
+            order=order,
+            sequence=split_sequence(getattr(pipe, "model_cpu_offload_seq", None)),
+            class_excluded=tuple(n for n in dict.fromkeys(class_excluded) if n in order),
+        )
+
+
+def split_sequence(sequence: Optional[str]) -> Tuple[str, ...]:
+    """`"text_encoder->unet->vae"` as `("text_encoder", "unet", "vae")`; `()` for `None`."""
+    return tuple(n.strip() for n in sequence.split("->")) if sequence else ()
+
+
+def modules_of(components) -> Dict[str, Any]:
+    """The components that are `torch.nn.Module`s and can move (bitsandbytes 8-bit ones cannot), in order."""
+    import torch
+
+    return {
+        name: value
+        for name, value in components.items()
+        if isinstance(value, torch.nn.Module) and not getattr(value, "is_loaded_in_8bit", False)
+    }

@@ -1,0 +1,109 @@
+"""The policy protocol: the events a policy answers and the one decision type it answers with.
+
+A policy decides which component moves when; it never moves anything and knows no torch device. The runtime tells
+it what happens (offload armed, a call starts, a component is about to run, the call ends, a release, pipeline code
+asking for an eviction) together with the facts of the moment: what is resident and the device facts (component
+sizes, how much the device can hold). It answers with a `Decision`, which the runtime carries out in order. The
+replay (`policies.replay`) drives the same objects over a recorded trace, so predictions and real ledgers come from
+one piece of code.
+"""
+
+from __future__ import annotations
+
+from typing import AbstractSet, Callable, FrozenSet, Mapping, NamedTuple, Optional, Tuple
+
+from ..constants import OFFLOAD, ONLOAD
+
+#: `(direction, component)`: one move, `direction` being `ONLOAD` or `OFFLOAD`.
+Move = Tuple[str, str]
+
+
+class Overflow(NamedTuple):
+    """A component that did not fit in the room the budget left even alone; it was loaded alone."""
+
+    component: str
+    nbytes: int
+    limit: int
+
+
+class Decision(NamedTuple):
+    """What a policy wants done: `moves` in order, and an `overflow` to warn about (or `None`)."""
+
+    moves: Tuple[Move, ...] = ()
+    overflow: Optional[Overflow] = None
+
+    @classmethod
+    def of(cls, moves, overflow: Optional[Overflow] = None) -> "Decision":
+        return cls(tuple(moves), overflow)
+
+
+NOTHING = Decision()
+
+
+class Facts(NamedTuple):
+    """Device facts a policy may need, passed in with every event.
+
+    Args:
+        sizes (`Mapping[str, int]`): Current bytes of each component (parameters and buffers).
+        capacity (`Callable[[int], Optional[int]]`, *optional*): Given the bytes of weights resident now, the bytes
+            the device can hold now (`None`: no limit known). Only on devices whose free memory can be read.
+    """
+
+    sizes: Mapping[str, int]
+    capacity: Optional[Callable[[int], Optional[int]]] = None
+
+
+class Policy:
+    """Base of every policy: no-op answers.
+
+    Attributes:
+        order (`Tuple[str, ...]`): Every module component, in the pipeline's order (moves of one event follow it).
+        calls (`CallTracker` or `None`): The call tracker the policy reads, if it reads one (the replay drives it).
+        hooked (`FrozenSet[str]`): Components with an offload hook (the ones `on_use` is called for).
+        stays (`FrozenSet[str]`): Components this policy never evicts (`exclude_from_offload`, and what else the
+            policy keeps on the device for good); the runtime keeps no host copy of them.
+    """
+
+    order: Tuple[str, ...] = ()
+    calls = None
+    hooked: FrozenSet[str] = frozenset()
+    stays: FrozenSet[str] = frozenset()
+
+    def on_enable(self, resident: AbstractSet[str], facts: Facts) -> Decision:
+        """Offload is armed (outside a call, or again at a call's end when no call is tracked)."""
+        return NOTHING
+
+    def on_call_start(self, calls) -> Decision:
+        """A pipeline call starts; `calls` is the `CallTracker` (its `history` holds the completed calls)."""
+        return NOTHING
+
+    def on_use(self, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
+        """Hooked component `name` is about to run."""
+        return NOTHING
+
+    def on_call_end(self, resident: AbstractSet[str], facts: Facts) -> Decision:
+        """The call's end-of-call offload (`maybe_free_model_hooks()`); the call's trace is already in history."""
+        return self.on_enable(resident, facts)
+
+    def on_release(self, resident: AbstractSet[str], facts: Facts) -> Decision:
+        """`doe.release(pipe)`: evict every hooked component that is resident."""
+        return Decision.of(
+            (OFFLOAD, n) for n in self.order if n in resident and n in self.hooked and n not in self.stays
+        )
+
+    def on_offload_request(self, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
+        """Pipeline code called the component's `hook.offload()`."""
+        return NOTHING
+
+    def on_shared_load(self, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
+        """Another pipeline put `name`, a component this one shares, on the device; make room if needed."""
+        return NOTHING
+
+
+def apply(moves, resident: set) -> None:
+    """Update `resident` as if `moves` had been carried out."""
+    for direction, name in moves:
+        if direction == ONLOAD:
+            resident.add(name)
+        else:
+            resident.discard(name)

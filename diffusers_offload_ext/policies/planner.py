@@ -1,0 +1,142 @@
+"""The residency policy's view of the future: the predicted events of this call and the next ones, and the exact
+value tables over resident sets for them, cached across calls and policies of one pipeline."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+from ..constants import END
+from .masks import Universe
+from .prediction import chain_after, predict_rest
+
+#: Value tables kept per pipeline (a new configuration starts afresh past this).
+CACHE_ENTRIES = 32
+
+
+class Plan:
+    """Predicted events (`END` between calls), the position of the next one, and the value tables before each."""
+
+    __slots__ = ("model", "events", "terminal", "tables", "pos")
+
+    def __init__(self, model: Tuple[str, ...], events: List[str], terminal=None, tables=None) -> None:
+        self.model = model
+        self.events = events
+        self.terminal = terminal
+        self.tables = tables
+        self.pos = 0
+
+
+class Planner:
+    """Plans for one universe of offloaded components.
+
+    Args:
+        universe (`Universe` or `None`): The components as bit masks; `None` when there are too many for exact plans
+            (then only the predicted events are kept).
+        keep_between (`bool`): Whether components stay on the device from one call to the next.
+        cache (`dict`): Value tables shared by the policies of one pipeline.
+    """
+
+    def __init__(self, universe: Optional[Universe], keep_between: bool, cache: dict) -> None:
+        self.universe = universe
+        self.keep_between = keep_between
+        self.cache = cache
+        self.plan: Optional[Plan] = None
+
+    def _key(self, kind: str, model: Tuple[str, ...]) -> tuple:
+        u = self.universe
+        return (kind, u.names, tuple(u.sizes), u.avail, self.keep_between, model)
+
+    def _remember(self, key, value):
+        if len(self.cache) >= CACHE_ENTRIES:
+            self.cache.clear()
+        self.cache[key] = value
+        return value
+
+    def steady(self, model: Tuple[str, ...]) -> Tuple[List[float], int]:
+        key = self._key("steady", model)
+        found = self.cache.get(key)
+        if found is None:
+            found = self._remember(key, self.universe.steady_values(model, self.keep_between))
+        return found
+
+    def start(self, model: Tuple[str, ...], decisions_possible: bool) -> None:
+        """Plan from the start of a call: the model call, repeated over one period of the steady state."""
+        if self.universe is None or not decisions_possible:
+            # No decision to make (or no exact one): the steady values are computed if ever needed.
+            self.plan = Plan(model, list(model) + [END])
+            return
+        steady, period = self.steady(model)
+        self.plan = Plan(model, (list(model) + [END]) * period, steady, self.cache.get(self._key("tables", model)))
+
+    def advance(self, name: str) -> None:
+        """`name` ran: move along the plan, or drop it when the call went another way."""
+        plan = self.plan
+        if plan is not None:
+            if plan.pos < len(plan.events) and plan.events[plan.pos] == name:
+                plan.pos += 1
+            else:
+                self.plan = None
+
+    def end_call(self, model: Tuple[str, ...], decisions_possible: bool) -> None:
+        """A call ended: step over the plan's `END`, or plan afresh from `model` (the call that just ended)."""
+        plan = self.plan
+        if plan is not None and plan.pos < len(plan.events) and plan.events[plan.pos] == END:
+            plan.pos += 1
+        else:
+            plan = None
+        if plan is None or plan.pos >= len(plan.events) or plan.model != model:
+            self.start(model, decisions_possible)
+        else:
+            self.plan = plan
+
+    def values(self, current: Sequence[str], model: Tuple[str, ...], chain: Sequence[str], learned: bool):
+        """Value table (per resident mask) before the next predicted event."""
+        plan = self.plan
+        if plan is None:
+            rest = predict_rest(current, model, chain=chain, learned=learned)
+            # Before any trace is recorded, the next calls are predicted to repeat this one as seen so far plus
+            # its predicted rest (closer to the truth than the chain order once the call has shown its shape).
+            future = model if learned else tuple(current) + tuple(rest)
+            plan = self.plan = Plan(model, rest + [END], self.steady(future)[0])
+        if plan.tables is None:
+            if plan.terminal is None:
+                plan.terminal = self.steady(plan.model)[0]
+            plan.tables = self.universe.backward(plan.events, plan.terminal, self.keep_between)
+            if plan.events and plan.pos == 0 and not current:
+                self._remember(self._key("tables", plan.model), plan.tables)
+        return plan.tables[min(plan.pos, len(plan.tables) - 1)]
+
+    def upcoming(self, current: Sequence[str], model: Tuple[str, ...], chain: Sequence[str], learned: bool):
+        """The predicted events from now on, this call's rest and (when components stay between calls) the next."""
+        plan = self.plan
+        if plan is not None:
+            rest = plan.events[plan.pos :]
+        else:
+            rest = predict_rest(current, model, chain=chain, learned=learned) + [END]
+        return rest + list(model) if self.keep_between else rest
+
+    def first_call_guesses(self, current: Sequence[str], model: Tuple[str, ...], chain: Sequence[str]):
+        """On the first call, at a component not seen before in the call: value tables for two guesses about the
+        rest of the call. The prediction (the chain goes on; for the last chain component, the call ends), and a
+        loop: the component that ran before it runs again, then this one, as a denoiser followed by a preview
+        decode would (only right after a short run of it: one denoising step, or two calls of it for a separate
+        guidance pass). Only one table (none returned) when the two agree or no loop is possible."""
+        current = tuple(current)
+        name = current[-1]
+        if name in current[:-1] or len(current) < 2:
+            return []
+        start = len(current) - 2
+        while start > 0 and current[start - 1] == current[len(current) - 2]:
+            start -= 1
+        unit = current[start:]
+        if len(unit) > 3:
+            return []  # after a long run (a whole denoising loop) this is the final decode, not a preview
+        loop = list(unit) * 8 + chain_after(unit, chain)
+        rest = predict_rest(current, model, chain=chain, learned=False)
+        if loop == rest:
+            return []
+        tables = []
+        for guess in (rest, loop):
+            steady, _ = self.steady(current + tuple(guess))
+            tables.append(self.universe.backward(guess + [END], steady, self.keep_between)[0])
+        return tables

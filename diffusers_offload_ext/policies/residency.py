@@ -1,0 +1,265 @@
+"""`ResidencyPolicy`: the residency manager's decisions. Keep components on the device within a memory budget, from
+one call to the next if asked, and evict what the predicted future needs least.
+
+Components move to the device only when they run (loading on demand never costs more bytes than loading ahead).
+When one would not fit, the resident components that are not running are split into those to keep and those to
+evict so as to minimise the host-to-device bytes of the *predicted* future: the trace of the previous call (on the
+first call, the chain order), aligned with what this call has run so far (`planner.py`). Up to `MAX_EXACT` offloaded
+components the choice is exact for that prediction (`masks.py`); above, a greedy rule. A shadow of stock's chain on
+the same trace bounds the bytes moved: the manager never moves more than stock (see `_credit_allows`).
+"""
+
+from __future__ import annotations
+
+from typing import AbstractSet, Iterable, List, Optional, Sequence, Set, Tuple
+
+from ..calls import CallTracker
+from ..constants import OFFLOAD, ONLOAD
+from .base import Decision, Facts, Overflow, Policy
+from .chain import renamed
+from .masks import Universe
+from .planner import Planner
+from .shadow import StockShadow
+
+#: Up to this many offloaded components the eviction choice is exact (2**n resident sets); above, a greedy rule.
+MAX_EXACT = 8
+
+
+class ResidencyPolicy(Policy):
+    """Keep components on the device within a memory budget; evict what the predicted future needs least.
+
+    Keep one instance for the life of a pipeline's configuration: plans may span calls.
+
+    Args:
+        order (`Sequence[str]`): Every module component, in the pipeline's order.
+        chain (`Sequence[str]`): The offloaded components of `model_cpu_offload_seq`, in chain order (the prediction
+            on the first call).
+        hooked (`Iterable[str]`): Every component that has an offload hook.
+        sizes (`Mapping[str, int]`): Bytes of each component when the policy is made (`Facts.sizes` updates them).
+        excluded (`Iterable[str]`, defaults to `()`): `exclude_from_offload`: on the device once, never moved again.
+        round_trip (`Iterable[str]`, defaults to `()`): The class's `_exclude_from_cpu_offload`: they run without
+            hooks, so they stay on the device like excluded ones (stock's round trip at every arm moves them to no
+            effect).
+        budget (`int`, *optional*): Bytes of component weights allowed on the device, excluded and round-trip
+            components included. `None`: unlimited.
+        keep_between (`bool`, defaults to `False`): Keep components on the device at the end of a call (within the
+            budget) for the next one; otherwise the end of a call evicts every offloaded component, like stock.
+        calls (`CallTracker`, *optional*): The pipeline's call tracker (its history is the prediction); a fresh one
+            when not given.
+        cache (`dict`, *optional*): Where to keep value tables (shared by the policies of one pipeline).
+        max_exact (`int`, defaults to `MAX_EXACT`): Above this many offloaded components a greedy rule replaces the
+            exact choice: evict what the prediction never uses again, then what it uses last.
+        zero_copy (`bool`, defaults to `True`): Whether evictions are free (zero-copy eviction) when the policy
+            counts the bytes it moves against stock's.
+        dynamic_capacity (`bool`, defaults to `False`): Whether `Facts.capacity` will bound the room (free device
+            memory read before onloads, on CUDA); plans then hold value tables even when the budget fits everything.
+        pinned, bounce: Deprecated names of `excluded` and `round_trip`.
+    """
+
+    def __init__(
+        self,
+        *,
+        order: Sequence[str],
+        chain: Sequence[str],
+        hooked: Iterable[str],
+        sizes,
+        excluded: Iterable[str] = (),
+        round_trip: Iterable[str] = (),
+        budget: Optional[int] = None,
+        keep_between: bool = False,
+        calls: Optional[CallTracker] = None,
+        cache: Optional[dict] = None,
+        max_exact: int = MAX_EXACT,
+        zero_copy: bool = True,
+        dynamic_capacity: bool = False,
+        pinned: Optional[Iterable[str]] = None,
+        bounce: Optional[Iterable[str]] = None,
+    ) -> None:
+        hooked = set(hooked)
+        self.order = tuple(order)
+        self.hooked = frozenset(hooked)
+        self.offloaded = tuple(n for n in self.order if n in hooked)
+        self.chain = tuple(n for n in dict.fromkeys(chain) if n in hooked)
+        self.excluded = frozenset(renamed("ResidencyPolicy", "pinned", pinned, "excluded", excluded))
+        self.round_trip = frozenset(renamed("ResidencyPolicy", "bounce", bounce, "round_trip", round_trip))
+        self.stays = self.excluded | self.round_trip
+        self.sizes = {name: int(nbytes) for name, nbytes in sizes.items()}
+        self.budget = budget
+        self.keep_between = bool(keep_between)
+        self.calls = calls if calls is not None else CallTracker()
+        self.exact = len(self.offloaded) <= max_exact
+        self.zero_copy = bool(zero_copy)
+        self.dynamic_capacity = bool(dynamic_capacity)
+        self.planner = Planner(None, self.keep_between, cache if cache is not None else {})
+        self._resize()
+        self.shadow = StockShadow(self.chain, self.hooked, self.zero_copy)
+        self._version = self.calls.version
+        self._uses_since_arm = 0
+        self._start_plan()
+        for name in self.calls.current:
+            self._advance(name)
+
+    @property
+    def config(self) -> tuple:
+        """What the decisions depend on besides the trace (the runtime reuses a policy while it is equal)."""
+        sizes = tuple(sorted(self.sizes.items()))
+        options = (self.budget, self.keep_between, self.zero_copy)
+        return (self.order, self.chain, self.offloaded, self.excluded, self.round_trip, sizes) + options
+
+    @property
+    def model(self) -> Tuple[str, ...]:
+        """The call the next calls are predicted to repeat: the last one, or the chain order before any."""
+        return self.calls.history[-1] if self.calls.history else self.chain
+
+    # -- the protocol ---------------------------------------------------------------------------------------------
+    def on_call_start(self, calls: CallTracker) -> Decision:
+        if calls.version != self._version or self._uses_since_arm:
+            self._version = calls.version
+            self._uses_since_arm = 0
+            self._start_plan()
+        return Decision()
+
+    def on_use(self, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
+        self._advance(name)
+        if name in resident or name not in self.hooked:
+            return Decision()
+        others = [n for n in self.offloaded if n in resident and n != name]
+        self._measure(facts, [name] + others)
+        need = self.sizes[name]
+        limit = self._limit(resident, facts)
+        self.shadow.count(onloaded=need)
+        if limit is None or need + sum(self.sizes[n] for n in others) <= limit:
+            return Decision(((ONLOAD, name),))
+        overflow = None
+        if need > limit:
+            overflow, keep = Overflow(name, need, limit), set()
+        else:
+            keep = self._choose(name, others, limit)
+        evicted = [n for n in others if n not in keep]
+        self.shadow.count(evicted=sum(self.sizes[n] for n in evicted))
+        return Decision.of([(OFFLOAD, n) for n in evicted] + [(ONLOAD, name)], overflow)
+
+    def on_enable(self, resident: AbstractSet[str], facts: Facts) -> Decision:
+        self._uses_since_arm = 0
+        self._version = self.calls.version
+        self._start_plan()
+        return self._arm(resident)
+
+    def on_call_end(self, resident: AbstractSet[str], facts: Facts) -> Decision:
+        self._uses_since_arm = 0
+        self._version = self.calls.version
+        self.planner.end_call(self.model, self._decisions_possible())
+        return self._arm(resident)
+
+    def on_shared_load(self, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
+        others = [n for n in self.offloaded if n in resident and n != name]
+        held = sum(self.sizes.get(n, 0) for n in others) + (self.sizes.get(name, 0) if name in self.hooked else 0)
+        limit = self._limit(resident, facts)
+        if limit is None or held <= limit:
+            return Decision()
+        room = limit - (self.sizes.get(name, 0) if name in self.hooked else 0)
+        keep = self._choose_greedy(others, room)
+        return Decision.of((OFFLOAD, n) for n in others if n not in keep)
+
+    # -- decisions --------------------------------------------------------------------------------------------------
+    def _arm(self, resident: AbstractSet[str]) -> Decision:
+        """Offload armed (enable, or a call's end): what stays for the next call, and the always-resident ones up."""
+        self.shadow.arm(self.sizes)
+        others = [n for n in self.offloaded if n in resident]
+        if not self.keep_between:
+            moves: List = [(OFFLOAD, n) for n in others]
+        else:
+            keep = set(others)
+            if self.avail is not None and sum(self.sizes[n] for n in others) > self.avail:
+                keep = self._choose(None, others, self.avail)
+            moves = [(OFFLOAD, n) for n in others if n not in keep]
+        self.shadow.count(evicted=sum(self.sizes[n] for _, n in moves))
+        moves += [(ONLOAD, n) for n in self.order if n in self.stays and n not in resident]
+        return Decision.of(moves)
+
+    def _choose(self, name: Optional[str], others: List[str], limit: int) -> Set[str]:
+        """Which of `others` to keep with `name` (`None`: at a call boundary) within `limit` bytes."""
+        need = self.sizes[name] if name is not None else 0
+        if not self.exact:
+            return self._choose_greedy(others, limit - need)
+        u = self.universe
+        tables = []
+        if name is not None and not self.calls.history:
+            tables = self.planner.first_call_guesses(self.calls.current or [name], self.model, self.chain)
+        if len(tables) < 2:
+            tables = [self.planner.values(self.calls.current, self.model, self.chain, bool(self.calls.history))]
+        bit = u.mask([name]) if name is not None else 0
+        pool = u.mask(others)
+        candidates = u.subsets_within(pool, limit - need, alone_may_stay=name is None)
+        if name is not None and self.shadow.fits:
+            allowed = [c for c in candidates if self.shadow.allows(u, c[0], pool, bit)]
+            candidates = allowed or candidates
+        if len(tables) == 1:
+            table = tables[0]
+            best_mask = min(candidates, key=lambda c: (table[c[0] | bit], -c[1]))[0]
+        else:
+            # Two guesses about the rest of a first call: the least worst regret over both.
+            lows = [min(table[c | bit] for c, _ in candidates) for table in tables]
+
+            def score(candidate):
+                values = [table[candidate[0] | bit] for table in tables]
+                return (max(v - low for v, low in zip(values, lows)), sum(values), -candidate[1])
+
+            best_mask = min(candidates, key=score)[0]
+            self.planner.plan = None  # the next events tell which guess was right; plan again then
+        return set(u.names_of(best_mask))
+
+    def _choose_greedy(self, others: List[str], room: int) -> Set[str]:
+        upcoming = self.planner.upcoming(self.calls.current, self.model, self.chain, bool(self.calls.history))
+        first = {}
+        for position, event in enumerate(upcoming):
+            first.setdefault(event, position)
+        protected = self.shadow.protected(others, self.sizes, room)
+        # Evict first what is never used again, then what is used last; larger first on ties; what stock holds last.
+        ranked = sorted(others, key=lambda n: (n in protected, n in first, -first.get(n, 0), -self.sizes[n]))
+        keep = set(others)
+        held = sum(self.sizes[n] for n in others)
+        for victim in ranked:
+            if held <= room:
+                break
+            keep.discard(victim)
+            held -= self.sizes[victim]
+        return keep
+
+    # -- bookkeeping ------------------------------------------------------------------------------------------------
+    def _advance(self, name: str) -> None:
+        self._uses_since_arm += 1
+        self.shadow.use(name, self.sizes, self.avail)
+        self.planner.advance(name)
+
+    def _decisions_possible(self) -> bool:
+        fits = self.avail is None or sum(self.sizes[n] for n in self.offloaded) <= self.avail
+        return not fits or self.dynamic_capacity
+
+    def _start_plan(self) -> None:
+        self.planner.start(self.model, self._decisions_possible())
+
+    def _resize(self) -> None:
+        stays_bytes = sum(self.sizes[n] for n in self.stays if n in self.sizes)
+        self.avail = None if self.budget is None else max(int(self.budget) - stays_bytes, 0)
+        self.universe = Universe(self.offloaded, self.sizes, self.avail) if self.exact else None
+        self.planner.universe = self.universe
+        self.planner.plan = None
+
+    def _measure(self, facts: Facts, names: List[str]) -> None:
+        """Take the components' current sizes; when one changed, the plan's tables are stale."""
+        changed = [n for n in names if n in facts.sizes and int(facts.sizes[n]) != self.sizes.get(n)]
+        if changed:
+            self.sizes.update({n: int(facts.sizes[n]) for n in changed})
+            self._resize()
+
+    def _limit(self, resident: AbstractSet[str], facts: Facts) -> Optional[int]:
+        limit = self.avail
+        if facts.capacity is not None:
+            stays_bytes = sum(self.sizes[n] for n in self.stays if n in self.sizes)
+            held = stays_bytes + sum(self.sizes[n] for n in self.offloaded if n in resident)
+            capacity = facts.capacity(held)
+            if capacity is not None:
+                room = max(int(capacity) - stays_bytes, 0)
+                limit = room if limit is None else min(limit, room)
+        return limit

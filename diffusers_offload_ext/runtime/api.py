@@ -1,0 +1,186 @@
+"""The runtime's public functions on a pipeline: its transfer ledger, `release`, and `offload_status`."""
+
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+from ..observe.ledger import TransferLedger
+from .arming import ensure_session, get_session
+
+
+def _check(pipe) -> None:
+    from diffusers import DiffusionPipeline
+
+    if not isinstance(pipe, DiffusionPipeline):
+        raise TypeError(f"`pipe` must be a `DiffusionPipeline`, got {pipe!r}.")
+
+
+def transfer_ledger(pipe) -> TransferLedger:
+    """The transfer ledger of `pipe`: every move this extension made of its components.
+
+    Args:
+        pipe (`DiffusionPipeline`): The pipeline.
+
+    Returns:
+        `TransferLedger`: `.records` (each with `component`, `direction` (`"onload"` or `"offload"`), `nbytes`,
+        `call_index`, `kind` and `step`), `.clear()` and `.summary()`.
+
+    Example:
+
+    ```py
+    >>> import diffusers_offload_ext as doe
+
+    >>> pipe.enable_model_cpu_offload(keep_on_device_during_generation=True)
+    >>> ledger = doe.transfer_ledger(pipe)
+    >>> image = pipe("a photo of an astronaut riding a horse on mars").images[0]
+    >>> print(ledger.summary()["total_bytes"])
+    ```
+    """
+    _check(pipe)
+    return ensure_session(pipe).ledger
+
+
+def release(pipe) -> int:
+    """Evict every offloaded component of `pipe` from the execution device now.
+
+    Components in `exclude_from_offload` (and the class's `_exclude_from_cpu_offload`, which run without a hook)
+    stay. Use it with `keep_on_device_between_generations=True`, for example before another pipeline uses the card.
+    Evicted components come back on their own the next time they run. With zero-copy eviction, unchanged components
+    are only dropped from the device (no copy back).
+
+    Args:
+        pipe (`DiffusionPipeline`): The pipeline.
+
+    Returns:
+        `int`: Bytes of component weights evicted (0 when the extension's model offload is not enabled).
+
+    Example:
+
+    ```py
+    >>> import diffusers_offload_ext as doe
+
+    >>> pipe.enable_model_cpu_offload(keep_on_device_between_generations=True)
+    >>> image = pipe("a photo of an astronaut riding a horse on mars").images[0]
+    >>> doe.release(pipe)  # the device is free for something else
+    ```
+    """
+    _check(pipe)
+    session = get_session(pipe)
+    if session is None or not session.active:
+        return 0
+    for name in session.modules:
+        if session.entries[name].dirty or session.transfer.readable:
+            session.recheck(name)
+    before = len(session.ledger)
+    session.carry_out(session.policy.on_release(session.resident, session.facts))
+    return sum(record.nbytes for record in session.ledger.records[before:])
+
+
+class ComponentStatus(NamedTuple):
+    """One component in `OffloadStatus.components`.
+
+    Args:
+        nbytes (`int`): Bytes of its parameters and buffers.
+        resident (`bool`): On the execution device now.
+        where (`str`): Where its tensors are, read from the tensors: `"device"`, `"host"`, `"mixed"`, `"empty"`,
+            `"meta"` or `"elsewhere"` (on the plain CPU, where host and device are the same memory, the record).
+        role (`str`): `"excluded"` (`exclude_from_offload`), `"round trip"` (the class's `_exclude_from_cpu_offload`),
+            `"kept"` (`keep_on_device_during_generation`), `"chain"` or `"outside chain"` (hooked, run outside the
+            `model_cpu_offload_seq` chain).
+        host_copy (`bool`): A host copy is held for an eviction without a copy.
+    """
+
+    nbytes: int
+    resident: bool
+    where: str
+    role: str
+    host_copy: bool
+
+
+class OffloadStatus(NamedTuple):
+    """A read-only snapshot of a pipeline's offload (`doe.offload_status(pipe)`).
+
+    Args:
+        enabled (`bool`): This extension's model offload is armed.
+        device (`str` or `None`): The execution device.
+        policy (`str` or `None`): `"chain"` (stock's moves with the two options) or `"residency"` (the manager).
+        components (`Dict[str, ComponentStatus]`): Every armed component, in the pipeline's order.
+        resident_bytes (`int`): Bytes of the components on the device.
+        budget (`int` or `None`): The residency manager's budget in bytes (`None`: unlimited or not in force).
+        chain (`Tuple[str, ...]`): The chain of `model_cpu_offload_seq`, as armed.
+        calls (`int`): Pipeline calls started since the session began.
+        recent_calls (`List[Tuple[str, ...]]`): Components used by the last completed calls, oldest first.
+        options (`dict`): The options in force.
+    """
+
+    enabled: bool
+    device: Optional[str]
+    policy: Optional[str]
+    components: Dict[str, ComponentStatus]
+    resident_bytes: int
+    budget: Optional[int]
+    chain: Tuple[str, ...]
+    calls: int
+    recent_calls: List[Tuple[str, ...]]
+    options: dict
+
+
+def offload_status(pipe) -> OffloadStatus:
+    """What this extension's offload holds for `pipe` now. Reading it changes nothing.
+
+    Args:
+        pipe (`DiffusionPipeline`): The pipeline.
+
+    Returns:
+        `OffloadStatus`: the device, each component's bytes, placement (read from its tensors) and role, what is
+        resident, the budget, the chain and the recent call traces.
+
+    Example:
+
+    ```py
+    >>> import diffusers_offload_ext as doe
+
+    >>> pipe.enable_model_cpu_offload(keep_on_device_between_generations=True)
+    >>> image = pipe("a cat").images[0]
+    >>> status = doe.offload_status(pipe)
+    >>> print(status.resident_bytes, [n for n, c in status.components.items() if c.resident])
+    ```
+    """
+    _check(pipe)
+    session = get_session(pipe)
+    if session is None or session.transfer is None:
+        return OffloadStatus(False, None, None, {}, 0, None, (), 0, [], {})
+    components = {name: _component(session, name) for name in session.modules}
+    options = session.options._asdict() if hasattr(session.options, "_asdict") else dict(vars(session.options))
+    return OffloadStatus(
+        enabled=session.active,
+        device=str(session.device),
+        policy=type(session.policy).__name__.replace("Policy", "").lower() if session.policy is not None else None,
+        components=components,
+        resident_bytes=sum(c.nbytes for c in components.values() if c.resident),
+        budget=session.budget if session.options.residency else None,
+        chain=tuple(session.arrangement.chain) if session.arrangement is not None else (),
+        calls=session.calls.started,
+        recent_calls=list(session.calls.history),
+        options=options,
+    )
+
+
+def _component(session, name: str) -> ComponentStatus:
+    module, entry = session.modules[name], session.entries[name]
+    arrangement, policy = session.arrangement, session.policy
+    if name in arrangement.excluded:
+        role = "excluded"
+    elif name in arrangement.round_trip:
+        role = "round trip"
+    elif name in getattr(policy, "kept", ()):
+        role = "kept"
+    else:
+        role = "chain" if name in arrangement.chain else "outside chain"
+    return ComponentStatus(
+        nbytes=session.facts.sizes[name],
+        resident=name in session.resident,
+        where=session.transfer.locate(module),
+        role=role,
+        host_copy=entry.host_copy is not None,
+    )

@@ -1,0 +1,74 @@
+"""The offload hook: an accelerate `CpuOffload` that tells the pipeline's session a component is about to run, and
+sends the inputs to the execution device. It decides nothing itself."""
+
+from __future__ import annotations
+
+import torch
+from accelerate.hooks import CpuOffload, UserCpuOffloadHook, remove_hook_from_module
+from accelerate.utils import send_to_device
+
+from . import sharing
+
+_compiler_disable = getattr(getattr(torch, "compiler", None), "disable", lambda fn: fn)
+
+
+class DeferredCpuOffload(CpuOffload):
+    """A `CpuOffload` hook whose moves are decided by the pipeline's session.
+
+    It stays an instance of accelerate's `CpuOffload`, so diffusers' LoRA and adapter loading still detects model
+    offload and re-enables it. Its pre-forward does constant work when nothing has to move: the session compares the
+    component's first tensor with its record, and the policy answers from sets.
+
+    Args:
+        session (`Session`): The session of the pipeline that armed it.
+        component (`str`): The component's name in that pipeline.
+        execution_device (`torch.device`): Where the component runs.
+        prev_module_hook (`UserCpuOffloadHook`, *optional*): The handle of the chain predecessor (kept for code
+            that inspects it; evictions are the policy's).
+    """
+
+    def __init__(self, session, component: str, execution_device, prev_module_hook=None) -> None:
+        super().__init__(execution_device=execution_device, prev_module_hook=prev_module_hook)
+        self.session = session
+        self.component = component
+
+    def init_hook(self, module):
+        # Attaching the hook moves nothing: the session already placed the module.
+        return module
+
+    @_compiler_disable
+    def pre_forward(self, module, *args, **kwargs):
+        session = self.session
+        running = sharing.running
+        if running and running[-1] is not session:
+            # A module shared with another pipeline: the pipeline whose call is running moves and records it.
+            holder = sharing.running_holder(module)
+            if holder is not None:
+                session = holder
+        session.use(self.component if session is self.session else session.name_of(module))
+        # diffusers' `apply_forward_hook` (VAE encode/decode) calls `pre_forward(module)` with no inputs.
+        if not args and not kwargs:
+            return args, kwargs
+        return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
+
+
+class OffloadHandle(UserCpuOffloadHook):
+    """The handle stored in `pipe._all_hooks`, like accelerate's: `offload()` and `remove()`."""
+
+    def offload(self) -> None:
+        """Move the component back to the host now, unless the options keep it on the device."""
+        self.hook.session.request_offload(self.hook.component)
+
+    def remove(self) -> None:
+        remove_hook_from_module(self.model)
+
+
+def ours(module: torch.nn.Module):
+    """The `DeferredCpuOffload` attached to `module` (alone or in accelerate's `SequentialHook`), or `None`."""
+    hook = getattr(module, "_hf_hook", None)
+    if isinstance(hook, DeferredCpuOffload):
+        return hook
+    for inner in getattr(hook, "hooks", None) or ():
+        if isinstance(inner, DeferredCpuOffload):
+            return inner
+    return None

@@ -1,0 +1,111 @@
+"""The book of placements: for every module the extension moves, one entry shared by every pipeline that holds it
+(where it is when the tensors cannot tell, its host copy, its size and first tensor, whether its structure changed).
+
+Structure changes are seen as they happen: torch's global registration hooks report every sub-module, parameter and
+buffer assigned anywhere, and the book marks the entry of the component it belongs to as `dirty`, so that the next
+use re-reads the component (a replaced `conv_in` brings host weights) at constant cost per forward otherwise.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+from .host_copy import HostCopy
+
+
+def first_tensor(module: torch.nn.Module) -> Optional[torch.Tensor]:
+    """The module's first parameter, or first buffer; `None` if it has neither."""
+    for tensor in module.parameters():
+        return tensor
+    for tensor in module.buffers():
+        return tensor
+    return None
+
+
+def module_nbytes(module: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers of `module` (each tensor counted once)."""
+    seen = {}
+    for tensor in module.parameters():
+        seen[id(tensor)] = tensor.numel() * tensor.element_size()
+    for tensor in module.buffers():
+        seen[id(tensor)] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())
+
+
+class Entry:
+    """What the book knows of one component module.
+
+    Attributes:
+        resident (`bool`): On the execution device, as far as the extension moved it (the only record where host and
+            device share memory; elsewhere the tensors say, and `resident` follows them).
+        host_copy (`HostCopy` or `None`): Its host tensors, kept while it is on the device (zero-copy eviction).
+        sentinel (`torch.Tensor` or `None`): Its first tensor: where it is, is where the component is said to be.
+        nbytes (`int`): Its bytes (parameters and buffers), as of the last `refresh`.
+        dirty (`bool`): A sub-module, parameter or buffer was assigned since the last `refresh`.
+    """
+
+    __slots__ = ("resident", "host_copy", "sentinel", "nbytes", "dirty", "__weakref__")
+
+    def __init__(self) -> None:
+        self.resident = False
+        self.host_copy: Optional[HostCopy] = None
+        self.sentinel: Optional[torch.Tensor] = None
+        self.nbytes = 0
+        self.dirty = True
+
+
+class Book:
+    """Entries per module, held weakly: a module nobody refers to any more leaves the book."""
+
+    def __init__(self) -> None:
+        self._entries: "weakref.WeakKeyDictionary[torch.nn.Module, Entry]" = weakref.WeakKeyDictionary()
+        # Every sub-module of a booked component -> the component's entry (weakly on both sides).
+        self._owner: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+        self._hooks = None
+
+    def entry(self, module: torch.nn.Module) -> Entry:
+        """The entry of `module`, made (and read) on first use."""
+        entry = self._entries.get(module)
+        if entry is None:
+            entry = self._entries[module] = Entry()
+            self._listen()
+            self.refresh(module, entry)
+        return entry
+
+    def get(self, module: torch.nn.Module) -> Optional[Entry]:
+        return self._entries.get(module)
+
+    def refresh(self, module: torch.nn.Module, entry: Optional[Entry] = None) -> Entry:
+        """Re-read `module`'s first tensor, size and sub-modules (one walk); clears `dirty`."""
+        entry = entry if entry is not None else self.entry(module)
+        reference = weakref.ref(entry)
+        for sub in module.modules():
+            self._owner[sub] = reference
+        entry.sentinel = first_tensor(module)
+        entry.nbytes = module_nbytes(module)
+        entry.dirty = False
+        return entry
+
+    def _listen(self) -> None:
+        if self._hooks is not None:
+            return
+        registration = torch.nn.modules.module
+        self._hooks = [
+            registration.register_module_module_registration_hook(self._assigned),
+            registration.register_module_parameter_registration_hook(self._assigned),
+            registration.register_module_buffer_registration_hook(self._assigned),
+        ]
+
+    def _assigned(self, parent, name, value):
+        reference = self._owner.get(parent)
+        entry = reference() if reference is not None else None
+        if entry is not None:
+            entry.dirty = True
+        return None
+
+
+#: The one book of the process: a module shared by several pipelines has one entry.
+BOOK = Book()

@@ -1,0 +1,119 @@
+"""`HostCopy`: a component's host tensors kept while it is on the device, so that evicting it unchanged needs no copy,
+and the checks that tell whether it is unchanged.
+
+`module.to(device)` replaces each parameter's `.data` (the `Parameter` object stays) and each buffer (a new tensor);
+the host tensors are freed unless someone still refers to them. `HostCopy` refers to them, so that evicting an
+unchanged component only puts them back (`restore`). A change made while the component was on the device must never
+be lost, so `unchanged` checks, in order of cost:
+
+1. structure: the same sub-modules, parameter and buffer names (LoRA layers added or removed change it);
+2. identity: the same `Parameter` objects and buffer tensors, with the same data pointers (a replaced tensor, for
+   example `weight.data = fused`, changes it), and no gradient;
+3. version counters: any in-place operation on the parameter or buffer itself (`p.mul_(2)`, `copy_`,
+   `load_state_dict`) bumps `t._version`;
+4. content: edits through `.data` (`weight.data += delta`, as PEFT's `merge()` fuses a LoRA) bump no counter that
+   can be seen from the parameter, so a fingerprint of every device tensor (`fingerprint.py`) is taken right after
+   the onload and again before the eviction.
+
+When any check fails, or a tensor cannot be fingerprinted (a tensor subclass, a quantized or sparse tensor), the
+eviction copies the device tensors back, as stock does.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+
+from .fingerprint import fingerprint, fingerprintable
+
+Slot = Tuple[torch.nn.Module, bool, str, torch.Tensor]
+
+
+def slots(module: torch.nn.Module) -> Iterator[Slot]:
+    """Every parameter and buffer slot: `(sub-module, is_parameter, name, tensor)`, in a fixed order."""
+    for sub in module.modules():
+        for key, param in sub._parameters.items():
+            if param is not None:
+                yield sub, True, key, param
+        for key, buffer in sub._buffers.items():
+            if buffer is not None:
+                yield sub, False, key, buffer
+
+
+class HostCopy:
+    """The host tensors of one component while it is on the execution device.
+
+    Create it just before the onload, call `seal(module)` just after; at eviction `unchanged(module)` tells whether
+    `restore(module)` may replace the copy back.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        # `param.data` is a second reference to the host storage: it outlives the onload, which either sets the
+        # parameter's `.data` or puts a new `Parameter` in its place; the original object is kept too, so that it can
+        # come back. Sub-modules are held weakly: the copy never keeps a component alive.
+        self.host: List[tuple] = [
+            (weakref.ref(sub), is_param, key, t, t.data if is_param else t) for sub, is_param, key, t in slots(module)
+        ]
+        self.signature: Optional[list] = None
+        self.content: Optional[list] = None
+
+    def seal(self, module: torch.nn.Module) -> None:
+        """Record what the component looks like on the device, right after the onload."""
+        found = list(slots(module))
+        self.signature = [
+            (weakref.ref(sub), is_param, key, weakref.ref(t), t.data_ptr(), t._version)
+            for sub, is_param, key, t in found
+        ]
+        self.content = self._content(found)
+
+    @staticmethod
+    def _content(found: List[Slot]) -> Optional[list]:
+        if not all(fingerprintable(t) for _, _, _, t in found):
+            return None
+        return [fingerprint(t) for _, _, _, t in found]
+
+    def unchanged(self, module: torch.nn.Module) -> bool:
+        """Whether the device tensors are still exactly the ones `seal` saw, unmodified."""
+        if self.signature is None or self.content is None:
+            return False
+        found = list(slots(module))
+        if len(found) != len(self.signature):
+            return False
+        for (sub, is_param, key, t), (sub0, is_param0, key0, ref0, ptr0, version0) in zip(found, self.signature):
+            if sub is not sub0() or is_param != is_param0 or key != key0:
+                return False
+            if t is not ref0() or t.data_ptr() != ptr0 or t._version != version0:
+                return False
+            if is_param and t.grad is not None:
+                return False
+        content = self._content(found)
+        if content is None or len(content) != len(self.content):
+            return False
+        if not content:
+            return True
+        return bool(torch.equal(torch.stack(content), torch.stack(self.content)))
+
+    def restore(self, module: torch.nn.Module) -> None:
+        """Put the host tensors back in place of the device ones: the eviction without a copy."""
+        for sub_ref, is_param, key, original, host in self.host:
+            sub = sub_ref()
+            if sub is None:
+                continue
+            if is_param:
+                original.data = host
+                sub._parameters[key] = original
+            else:
+                sub._buffers[key] = host
+        self.host = []
+        self.signature = None
+        self.content = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of host memory this copy holds."""
+        seen = {}
+        for _, _, _, _, host in self.host:
+            seen[id(host)] = host.numel() * host.element_size()
+        return sum(seen.values())

@@ -1,0 +1,42 @@
+"""How much memory the execution device has: free and total bytes, and the capacity a budget can count on.
+
+On any device other than CUDA both return `None`: no automatic budget, no re-reading of free memory. Tests replace
+`free_bytes` / `total_bytes` (monkeypatch) to run the CUDA code paths on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+
+def free_bytes(device: torch.device) -> Optional[int]:
+    """Bytes a new allocation on `device` can still get: free device memory plus what PyTorch's caching allocator
+    holds unused (an evicted component's memory goes there first). `None` where it cannot be known (not CUDA)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free) + max(int(cached), 0)
+
+
+def total_bytes(device: torch.device) -> Optional[int]:
+    """Total memory of `device`; `None` where it cannot be known (not CUDA)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.mem_get_info(device)[1])
+
+
+def capacity(device: torch.device, reserve: int) -> Optional[Callable[[int], Optional[int]]]:
+    """Where free memory can be read: a function that, given the bytes of weights the pipeline holds on the device,
+    returns the bytes of weights it could hold now (free memory plus what it holds, minus `reserve`). `None` where
+    free memory cannot be read."""
+    if free_bytes(device) is None:
+        return None
+
+    def room(held: int) -> Optional[int]:
+        free = free_bytes(device)
+        return None if free is None else free + held - reserve
+
+    return room

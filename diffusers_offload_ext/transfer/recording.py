@@ -1,0 +1,41 @@
+"""`RecordingTransfer`: a transfer that does what another does and records every call, for tests."""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple
+
+import torch
+
+from .base import Moved, Transfer
+
+
+class Call(NamedTuple):
+    """One call a `RecordingTransfer` saw: `op` (`"onload"` or `"offload"`), the module, and what it returned."""
+
+    op: str
+    module: torch.nn.Module
+    moved: Moved
+
+
+class RecordingTransfer(Transfer):
+    """Delegates every move to `inner` and appends a `Call` to `calls`.
+
+    Args:
+        inner (`Transfer`): The transfer that really moves.
+    """
+
+    def __init__(self, inner: Transfer) -> None:
+        super().__init__(inner.device, inner.book)
+        self.inner = inner
+        self.readable = inner.readable
+        self.calls: List[Call] = []
+
+    def onload(self, module: torch.nn.Module, *, keep_host: bool) -> Moved:
+        moved = self.inner.onload(module, keep_host=keep_host)
+        self.calls.append(Call("onload", module, moved))
+        return moved
+
+    def offload(self, module: torch.nn.Module) -> Moved:
+        moved = self.inner.offload(module)
+        self.calls.append(Call("offload", module, moved))
+        return moved
