@@ -87,5 +87,12 @@ def hooked_names(pipe):
     return {n for n, m in modules_of(pipe).items() if isinstance(getattr(m, "_hf_hook", None), CpuOffload)}
 
 
+def resident(pipe):
+    """Components on the execution device, as `doe.offload_status` reports them."""
+    import diffusers_offload_ext as doe
+
+    return {name for name, c in doe.offload_status(pipe).components.items() if c.resident}
+
+
 def max_abs_diff(a, b):
     return (torch.as_tensor(a).float() - torch.as_tensor(b).float()).abs().max().item()

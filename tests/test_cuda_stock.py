@@ -32,7 +32,7 @@ def run_and_spy(name, enable, preview):
 @pytest.mark.parametrize("name", [n for n in tiny.PIPELINES if tiny.available(n)[0]])
 def test_defaults_move_exactly_like_stock(name, preview):
     import diffusers_offload_ext as doe
-    import diffusers_offload_ext._mixin as mixin
+    import diffusers_offload_ext.runtime.arming as mixin
 
     stock_moves, stock_images = run_and_spy(
         name, lambda p: mixin.STOCK["enable_model_cpu_offload"](p, device="cuda"), preview

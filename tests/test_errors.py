@@ -23,10 +23,11 @@ def snapshot(pipe):
 
 
 def _state(pipe):
-    state = pipe.__dict__.get("_offload_ext_state")
-    if state is None:
+    try:
+        import diffusers_offload_ext as doe
+    except ImportError:  # the patched run: no extension state
         return None
-    return (state.options, set(state.resident), len(state.ledger.records), state.active, state.policy)
+    return (doe.offload_status(pipe), len(doe.transfer_ledger(pipe).records))
 
 
 BAD = [
@@ -93,7 +94,7 @@ def test_no_accelerator_and_no_device(installed, monkeypatch):
 
 
 def _stock_error(pipe_factory, prepare):
-    import diffusers_offload_ext._mixin as mixin
+    import diffusers_offload_ext.runtime.arming as mixin
 
     pipe = pipe_factory()
     prepare(pipe)

@@ -5,7 +5,7 @@ import inspect
 import pytest
 import torch
 import toy
-from harness import hooked_names
+from harness import hooked_names, resident
 from spy import MoveSpy, modules_of
 
 PREVIEW = ["text_encoder", "text_encoder_2"] + ["transformer", "vae"] * 3
@@ -83,10 +83,9 @@ def test_failed_call_leaves_nothing_pinned(installed, interrupt, keep):
     error = KeyboardInterrupt if interrupt else RuntimeError
     with pytest.raises(error):
         pipe(PREVIEW, fail_at=5, interrupt=interrupt)
-    state = pipe._offload_ext_state
-    assert state.resident == {"safety_checker"}
+    assert resident(pipe) == {"safety_checker"}
     assert hooked_names(pipe) == set(modules_of(pipe)) - {"safety_checker"}
-    assert state.call_depth == 0
+    assert not doe.offload_status(pipe).in_call
     # The next call behaves as if the failed one never happened.
     ledger = doe.transfer_ledger(pipe)
     ledger.clear()
@@ -97,7 +96,7 @@ def test_failed_call_leaves_nothing_pinned(installed, interrupt, keep):
     fresh(PREVIEW)
     strip = lambda records: [(r.component, r.direction, r.nbytes) for r in records if r.call_index is not None]
     assert strip(ledger.records) == strip(fresh_ledger.records)
-    assert state.traces == [tuple(PREVIEW)]  # the failed call left no trace
+    assert doe.offload_status(pipe).recent_calls == [tuple(PREVIEW)]  # the failed call left no trace
 
 
 @pytest.mark.plugin_only
@@ -112,7 +111,7 @@ def test_callback_raising_at_step_k(installed):
     pipe.transformer.register_forward_hook(lambda *a: (_ for _ in ()).throw(Stop()))
     with pytest.raises(Stop):
         pipe(PREVIEW)
-    assert pipe._offload_ext_state.resident == {"vae", "safety_checker"}
+    assert resident(pipe) == {"vae", "safety_checker"}
 
 
 def test_remove_all_hooks_like_stock(installed):
@@ -129,7 +128,7 @@ def test_remove_all_hooks_like_stock(installed):
 
 def _stock_pipeline_after(action):
     """Apply `action` to a pipeline whose model offload was enabled by stock diffusers (never installed)."""
-    import diffusers_offload_ext._mixin as mixin
+    import diffusers_offload_ext.runtime.arming as mixin
 
     pipe = toy.build()
     mixin.STOCK["enable_model_cpu_offload"](pipe, device="cpu")
@@ -244,7 +243,7 @@ def test_mixin_without_install():
     ]
     with pytest.raises(RuntimeError):
         pipe(PREVIEW, fail_at=2)
-    assert pipe._offload_ext_state.resident == {"transformer", "safety_checker"}
+    assert resident(pipe) == {"transformer", "safety_checker"}
     plain = toy.build()
     assert "exclude_from_offload" not in inspect.signature(plain.enable_model_cpu_offload).parameters
 
@@ -287,7 +286,8 @@ def test_uses_outside_calls_are_not_traced(installed):
     for _ in range(100):
         pipe.transformer()
         pipe.vae.decode()
-    state = pipe._offload_ext_state
-    assert state.trace == []
+    import diffusers_offload_ext as doe
+
+    assert doe.offload_status(pipe).recent_calls == []
     pipe(PREVIEW)
-    assert state.traces == [tuple(PREVIEW)]
+    assert doe.offload_status(pipe).recent_calls == [tuple(PREVIEW)]

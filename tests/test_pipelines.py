@@ -97,8 +97,8 @@ def test_callback_raising_at_step_k(installed, name, error):
     ledger = doe.transfer_ledger(pipe)
     with pytest.raises(error):
         pipe(**{**tiny.call_kwargs(name, seed=0), "callback_on_step_end": raising})
-    state = pipe._offload_ext_state
-    assert state.resident == {"vae"} and state.call_depth == 0
+    status = doe.offload_status(pipe)
+    assert {n for n, c in status.components.items() if c.resident} == {"vae"} and not status.in_call
     assert hooked_names(pipe) == set(modules_of(pipe)) - {"vae"}
     ledger.clear()
     image = tiny.run(pipe, name, seed=0)
@@ -117,7 +117,6 @@ def test_callback_raising_at_step_k(installed, name, error):
 def test_planner_replay_equals_the_ledger(installed, name, strategy):
     """`diffusers-offload plan` and the benchmarks replay policies over recorded traces: on the same trace the replay
     must make exactly the moves the real ledger records (preview every step, two calls)."""
-    from diffusers_offload_ext import _models
     from spy import nbytes
 
     doe = installed
@@ -127,14 +126,15 @@ def test_planner_replay_equals_the_ledger(installed, name, strategy):
         "exclude_denoiser": {"exclude_from_offload": [denoiser]},
         "keep_during_generation": {"keep_on_device_during_generation": True},
     }[strategy]
-    layout = _models.pipeline_layout(tiny.build(name))
+    layout = doe.PipelineLayout.from_pipeline(tiny.build(name))
     pipe = tiny.build(name)
     pipe.enable_model_cpu_offload(device="cpu", **options)
     for _ in range(2):
         tiny.run(pipe, name, seed=0, preview=True)
-    trace = [event for call in pipe._offload_ext_state.traces for event in (*call, doe.END)]
+    trace = [event for call in doe.offload_status(pipe).recent_calls for event in (*call, doe.END)]
     sizes = {n: nbytes(m) for n, m in modules_of(pipe).items()}
-    policy = _models._policies(layout, sizes, [denoiser], 80 << 30)[strategy][0]
+    excluded = [denoiser] if strategy == "exclude_denoiser" else []
+    policy = doe.ChainPolicy.for_layout(layout, excluded=excluded, keep=strategy == "keep_during_generation")
     replayed = doe.replay(policy, trace, sizes)
     real = [(r.direction, r.component, r.nbytes) for r in doe.transfer_ledger(pipe).records]
     assert replayed == real

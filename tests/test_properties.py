@@ -2,7 +2,7 @@
 
 import pytest
 import toy
-from harness import hooked_names, ledger_moves, reference_for
+from harness import hooked_names, ledger_moves, reference_for, resident
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -42,9 +42,8 @@ def test_ledger_matches_reference_and_placement(installed, calls, exclude, keep)
 
         def probe(index, name):
             used.add(name)
-            state = pipe._offload_ext_state
             on_device = {n for n, on in spy.placement.items() if on}
-            assert on_device == state.resident, "ledger/state and real .to() placement disagree"
+            assert on_device == resident(pipe), "offload_status and real .to() placement disagree"
             assert name in on_device or name in pinned
             assert pinned <= on_device, "an excluded component left the device"
             assert (kept & used) <= on_device, "a kept component was evicted mid-call"

@@ -1,4 +1,4 @@
-"""The residency manager's pure policy (`_residency.py`): budget, trace-informed eviction, the exact optimum.
+"""The residency manager's pure policy (`policies/`): budget, trace-informed eviction, the exact optimum.
 
 No torch and no pipeline here: traces, sizes and budgets are drawn by hypothesis and replayed through the policies.
 """
@@ -12,14 +12,23 @@ from hypothesis import strategies as st
 
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the residency manager is not in the upstream patch")
 
-from diffusers_offload_ext._policy import END, OFFLOAD, ONLOAD, ChainPolicy
-from diffusers_offload_ext._residency import (
+from diffusers_offload_ext.calls import CallTracker
+from diffusers_offload_ext.constants import END, OFFLOAD, ONLOAD
+from diffusers_offload_ext.policies import (
+    ChainPolicy,
+    Facts,
+    Overflow,
     ResidencyPolicy,
     optimal_bytes,
-    parse_size,
     predict_rest,
-    simulate,
+    replay_trace,
 )
+from diffusers_offload_ext.units import SizeError, parse_size
+
+
+def simulate(policy, trace, sizes, zero_copy=False):
+    return replay_trace(policy, trace, sizes, zero_copy=zero_copy)
+
 
 pytestmark = pytest.mark.plugin_only
 
@@ -106,9 +115,12 @@ def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "twelve GB", "12 parsecs", "-1GiB", "1e", "12GiB of memory", "1,5GB"])
+@pytest.mark.parametrize(
+    "text", ["", "GiB", "twelve GB", "12 parsecs", "-1GiB", "1e", "12GiB of memory", "1,5GB", "1e99999999", "9" * 80]
+)
 def test_parse_size_rejects(text):
-    assert parse_size(text) is None
+    with pytest.raises(SizeError):
+        parse_size(text)
 
 
 # -- the exact optimum -------------------------------------------------------------------------------------------------
@@ -162,11 +174,11 @@ def test_optimum_counts_fixed_components_against_the_budget():
 
 # -- invariants of the manager -----------------------------------------------------------------------------------------
 def step_through(policy, trace, sizes, budget, check):
-    """Replay `trace`, calling `check(event, resident, moves)` after each event."""
+    """Replay `trace`, calling `check(event, resident, moves)` after each event (`None`: arming)."""
     resident = set()
-    for event in [None] + list(trace):
-        moves = policy.on_enable(resident) if event in (None, END) else policy.on_use(event, resident)
-        for direction, name in moves:
+
+    def checked(event, after, decision):
+        for direction, name in decision.moves:
             if direction == ONLOAD:
                 assert name not in resident, f"onload of resident {name}"
                 resident.add(name)
@@ -174,7 +186,10 @@ def step_through(policy, trace, sizes, budget, check):
                 assert name in resident, f"offload of {name}, which is not resident"
                 assert name != event, f"the running component {name} was evicted"
                 resident.discard(name)
-        check(event, set(resident), moves)
+        assert resident == after
+        check(event, set(resident), list(decision.moves))
+
+    replay_trace(policy, trace, sizes, check=checked)
     return resident
 
 
@@ -350,12 +365,13 @@ def test_first_call_prediction_continues_a_loop_then_the_chain():
 
 def test_larger_than_budget_runs_alone_and_is_reported():
     policy = manager(["te", "tr"], {"te": 3, "tr": 10}, 5)
+    sizes = Facts({"te": 3, "tr": 10})
     resident = set()
-    for direction, name in policy.on_enable(resident) + policy.on_use("te", resident):
+    for direction, name in policy.on_enable(resident, sizes).moves + policy.on_use("te", resident, sizes).moves:
         resident.add(name)
-    moves = policy.on_use("tr", resident)
-    assert moves == [(OFFLOAD, "te"), (ONLOAD, "tr")]
-    assert policy.last_overflow == ("tr", 10, 5)
+    decision = policy.on_use("tr", resident, sizes)
+    assert decision.moves == ((OFFLOAD, "te"), (ONLOAD, "tr"))
+    assert decision.overflow == Overflow("tr", 10, 5)
 
 
 def test_offload_requests_are_ignored_and_fixed_components_stay():
@@ -364,8 +380,23 @@ def test_offload_requests_are_ignored_and_fixed_components_stay():
         chain=["te", "tr"],
         hooked=["te", "tr"],
         sizes={"te": 1, "tr": 2, "sc": 1},
-        bounce=["sc"],
+        round_trip=["sc"],
     )
-    assert policy.on_enable(set()) == [(ONLOAD, "sc")]
-    assert policy.on_offload_request("te", {"te", "sc"}) == []
-    assert policy.on_enable({"te", "sc"}) == [(OFFLOAD, "te")]  # end of call without keep_between: like stock
+    facts = Facts({"te": 1, "tr": 2, "sc": 1})
+    assert policy.on_enable(set(), facts).moves == ((ONLOAD, "sc"),)
+    assert policy.on_offload_request("te", {"te", "sc"}, facts).moves == ()
+    assert policy.on_enable({"te", "sc"}, facts).moves == ((OFFLOAD, "te"),)  # without keep_between: like stock
+    assert policy.stays == {"sc"}
+
+
+def test_old_keyword_names_still_work_with_a_warning():
+    with pytest.warns(FutureWarning, match="bounce"):
+        policy = ResidencyPolicy(
+            order=["te", "sc"], chain=["te"], hooked=["te"], sizes={"te": 1, "sc": 1}, bounce=["sc"]
+        )
+    assert policy.round_trip == {"sc"}
+    with pytest.warns(FutureWarning, match="pinned"):
+        chain = ChainPolicy(order=["te", "tr"], chain=["te"], hooked=["te"], pinned=["tr"])
+    assert chain.excluded == {"tr"} and chain.pinned == {"tr"}
+    with pytest.raises(TypeError, match="both"):
+        ChainPolicy(order=["te"], chain=["te"], hooked=["te"], pinned=["te"], excluded=["te"])

@@ -7,11 +7,11 @@ prediction and the real ledger come from the same code.
 
 from __future__ import annotations
 
-from typing import Iterable, List, Mapping, NamedTuple, Optional, Set, Tuple
+from typing import Callable, Iterable, List, Mapping, NamedTuple, Optional, Set, Tuple
 
 from ..calls import CallTracker
 from ..constants import COPY, DROP, END, OFFLOAD, ONLOAD
-from .base import Facts
+from .base import Decision, Facts
 
 
 class ReplayedMove(NamedTuple):
@@ -61,6 +61,7 @@ def replay_trace(
     *,
     zero_copy: bool = False,
     resident: Optional[Iterable[str]] = None,
+    check: Optional[Callable[[Optional[str], Set[str], Decision], None]] = None,
 ) -> Replay:
     """Replay `trace` (component names, `END` after each call) through `policy`.
 
@@ -72,6 +73,8 @@ def replay_trace(
             replay), as the runtime does with zero-copy eviction.
         resident (`Iterable[str]`, *optional*): Components on the device before the trace. When not given, the trace
             starts with offload being armed on an all-on-host pipeline, and that arm's moves are counted.
+        check (`Callable`, *optional*): Called after every event with the event (`None` for arming, a component name
+            or `END`), the resident set after it, and the decision (tests check invariants with it).
 
     Returns:
         `Replay`: the moves, bytes per call, and the peak.
@@ -83,7 +86,7 @@ def replay_trace(
     per_call: List[int] = []
     peak = [sum(sizes[n] for n in on_device)]
 
-    def run(decision) -> None:
+    def run(decision, event) -> None:
         for direction, name in decision.moves:
             kind = DROP if direction == OFFLOAD and zero_copy else COPY
             moves.append(ReplayedMove(direction, name, sizes[name], kind, calls.index))
@@ -91,22 +94,24 @@ def replay_trace(
             if kind == COPY and calls.index is not None:
                 per_call[calls.index] += sizes[name]
         peak[0] = max(peak[0], sum(sizes[n] for n in on_device))
+        if check is not None:
+            check(event, set(on_device), decision)
 
     if resident is None:
-        run(policy.on_enable(on_device, facts))
+        run(policy.on_enable(on_device, facts), None)
     setup = sum(m.nbytes for m in moves if m.kind == COPY)
     for event in trace:
         if not calls.in_call:
             calls.begin()
             per_call.append(0)
-            run(policy.on_call_start(calls))
+            run(policy.on_call_start(calls), None)
         if event == END:
             calls.end_trace()
-            run(policy.on_call_end(on_device, facts))
+            run(policy.on_call_end(on_device, facts), END)
             calls.end()
         else:
             calls.use(event)
-            run(policy.on_use(event, on_device, facts))
+            run(policy.on_use(event, on_device, facts), event)
     return Replay(moves, setup, per_call, peak[0])
 
 

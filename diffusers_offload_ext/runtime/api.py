@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from ..observe.ledger import TransferLedger
@@ -109,6 +110,7 @@ class OffloadStatus(NamedTuple):
         budget (`int` or `None`): The residency manager's budget in bytes (`None`: unlimited or not in force).
         chain (`Tuple[str, ...]`): The chain of `model_cpu_offload_seq`, as armed.
         calls (`int`): Pipeline calls started since the session began.
+        in_call (`bool`): A pipeline call is in progress.
         recent_calls (`List[Tuple[str, ...]]`): Components used by the last completed calls, oldest first.
         options (`dict`): The options in force.
     """
@@ -121,6 +123,7 @@ class OffloadStatus(NamedTuple):
     budget: Optional[int]
     chain: Tuple[str, ...]
     calls: int
+    in_call: bool
     recent_calls: List[Tuple[str, ...]]
     options: dict
 
@@ -149,9 +152,9 @@ def offload_status(pipe) -> OffloadStatus:
     _check(pipe)
     session = get_session(pipe)
     if session is None or session.transfer is None:
-        return OffloadStatus(False, None, None, {}, 0, None, (), 0, [], {})
+        return OffloadStatus(False, None, None, {}, 0, None, (), 0, False, [], {})
     components = {name: _component(session, name) for name in session.modules}
-    options = session.options._asdict() if hasattr(session.options, "_asdict") else dict(vars(session.options))
+    options = dataclasses.asdict(session.options)
     return OffloadStatus(
         enabled=session.active,
         device=str(session.device),
@@ -161,6 +164,7 @@ def offload_status(pipe) -> OffloadStatus:
         budget=session.budget if session.options.residency else None,
         chain=tuple(session.arrangement.chain) if session.arrangement is not None else (),
         calls=session.calls.started,
+        in_call=session.calls.in_call,
         recent_calls=list(session.calls.history),
         options=options,
     )
@@ -168,12 +172,12 @@ def offload_status(pipe) -> OffloadStatus:
 
 def _component(session, name: str) -> ComponentStatus:
     module, entry = session.modules[name], session.entries[name]
-    arrangement, policy = session.arrangement, session.policy
+    arrangement = session.arrangement
     if name in arrangement.excluded:
         role = "excluded"
     elif name in arrangement.round_trip:
         role = "round trip"
-    elif name in getattr(policy, "kept", ()):
+    elif name in session.options.kept(arrangement.hooked):
         role = "kept"
     else:
         role = "chain" if name in arrangement.chain else "outside chain"

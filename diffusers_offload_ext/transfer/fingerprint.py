@@ -90,7 +90,7 @@ def fingerprint(tensor: torch.Tensor) -> Optional[torch.Tensor]:
         flat = flat.view(torch.uint8)
     words = flat.view(_INTS[flat.element_size()])
     for index, start in enumerate(range(0, words.numel(), CHUNK)):
-        chunk = words[start : start + CHUNK].to(torch.int64)
+        chunk = words[start : start + CHUNK].to(torch.int64, copy=True)  # never mix the weights themselves
         chunk.bitwise_xor_(_position_words(chunk.device, chunk.numel()))
         chunk.bitwise_xor_(_mix_int(index + 1))
         total += _mix_(chunk).sum()

@@ -62,11 +62,13 @@ class HostCopy:
     def seal(self, module: torch.nn.Module) -> None:
         """Record what the component looks like on the device, right after the onload."""
         found = list(slots(module))
+        self.content = self._content(found)
+        if self.content is None:
+            return  # something it cannot read: the eviction will copy
         self.signature = [
             (weakref.ref(sub), is_param, key, weakref.ref(t), t.data_ptr(), t._version)
             for sub, is_param, key, t in found
         ]
-        self.content = self._content(found)
 
     @staticmethod
     def _content(found: List[Slot]) -> Optional[list]:

@@ -1,0 +1,175 @@
+"""Change detection for eviction without a copy: no edit of any dtype may slip through the content fingerprint or
+the host copy's checks (`transfer/fingerprint.py`, `transfer/host_copy.py`)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("diffusers_offload_ext", reason="plugin-only: zero-copy eviction is not in the upstream patch")
+
+from diffusers_offload_ext.transfer.fingerprint import fingerprint, fingerprintable  # noqa: E402
+from diffusers_offload_ext.transfer.host_copy import HostCopy  # noqa: E402
+
+pytestmark = pytest.mark.plugin_only
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.bool, torch.int64]
+DTYPES += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
+WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def sample(dtype, n=64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=generator) > 0.5
+    if not dtype.is_floating_point:
+        return torch.randint(-100, 100, (n,), generator=generator).to(dtype)
+    return torch.randn(n, generator=generator).to(dtype)
+
+
+def bits(tensor):
+    return tensor.contiguous().view(WORDS[tensor.element_size()])
+
+
+def flip_bit(tensor, index, bit):
+    words = bits(tensor)
+    width = tensor.element_size() * 8
+    flipped = (words[index].item() & ((1 << width) - 1)) ^ (1 << bit)
+    if flipped >= 1 << (width - 1) and words.dtype != torch.uint8:
+        flipped -= 1 << width
+    words[index] = flipped
+
+
+def edits(dtype):
+    """(label, edit in place) pairs; each changes at least one bit of the tensor it is given."""
+
+    def sign_flip(t):
+        words = bits(t)
+        top = words.element_size() * 8 - 1
+        if words.dtype == torch.uint8:
+            words.bitwise_xor_(1 << top)
+        else:
+            words.bitwise_xor_(-(1 << top))
+
+    def swap(t):
+        a, b = t[3].clone(), t[11].clone()
+        t[3], t[11] = b, a
+
+    def data_edit(t):
+        t.data[5:9] = (
+            torch.logical_not(t.data[5:9]) if t.dtype == torch.bool else (t.data[5:9].float() + 1).to(t.dtype)
+        )
+
+    def copy_in(t):
+        t.copy_(sample(t.dtype, t.numel(), seed=99))
+
+    return [("sign flip of every element", sign_flip), ("swap", swap), (".data edit", data_edit), ("copy_", copy_in)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_single_bit_flip_changes_the_fingerprint(dtype):
+    tensor = sample(dtype)
+    before = fingerprint(tensor)
+    for bit in range(tensor.element_size() * 8):
+        for index in (0, 17, tensor.numel() - 1):
+            edited = tensor.clone()
+            flip_bit(edited, index, bit)
+            if torch.equal(bits(edited), bits(tensor)):
+                continue  # bool: only bit 0 is a value
+            assert not torch.equal(fingerprint(edited), before), (dtype, index, bit)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_structured_edits_change_the_fingerprint(dtype):
+    for label, edit in edits(dtype):
+        tensor = sample(dtype)
+        before = fingerprint(tensor)
+        edited = tensor.clone()
+        edit(edited)
+        if torch.equal(bits(edited), bits(tensor)):
+            continue  # the edit happened to rewrite the same bits
+        assert not torch.equal(fingerprint(edited), before), (dtype, label)
+
+
+def test_sign_flips_that_wrap_a_plain_sum_are_caught():
+    """The fault that motivated the fingerprint: negating float64 weights with an even element count flips every
+    top bit, which a sum of the 64-bit words (weighted or not) wraps away."""
+    tensor = torch.randn(1024, dtype=torch.float64)
+    words = tensor.view(torch.int64)
+    assert int(words.sum()) == int((-tensor).view(torch.int64).sum())  # the old check could not see it
+    assert not torch.equal(fingerprint(tensor), fingerprint(-tensor))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(1, 300),
+    seed=st.integers(0, 2**31 - 1),
+    index=st.integers(0, 10**6),
+    bit=st.integers(0, 63),
+)
+def test_random_bit_flips(dtype, n, seed, index, bit):
+    tensor = sample(dtype, n, seed)
+    edited = tensor.clone()
+    flip_bit(edited, index % n, bit % (tensor.element_size() * 8))
+    if not torch.equal(bits(edited), bits(tensor)):
+        assert not torch.equal(fingerprint(edited), fingerprint(tensor))
+
+
+def test_equal_content_gives_equal_fingerprints_and_unreadable_tensors_are_refused():
+    tensor = torch.randn(100)
+    assert torch.equal(fingerprint(tensor), fingerprint(tensor.clone()))
+    assert fingerprint(torch.empty(0)) is not None
+    assert not fingerprintable(torch.randn(4).to_sparse())
+    assert fingerprint(torch.randn(4).to_sparse()) is None
+    assert not fingerprintable(torch.empty(4, device="meta"))
+
+
+class Subclass(torch.Tensor):
+    pass
+
+
+def test_a_tensor_subclass_is_never_fingerprinted():
+    assert not fingerprintable(torch.randn(4).as_subclass(Subclass))
+
+
+def module(dtype):
+    layer = torch.nn.Linear(4, 4)
+    layer.weight = torch.nn.Parameter(sample(dtype, 16, seed=3).reshape(4, 4), requires_grad=False)
+    layer.register_buffer("scale", sample(dtype, 4, seed=4))
+    return layer
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_host_copy_sees_every_edit(dtype):
+    def check(edit):
+        layer = module(dtype)
+        copy = HostCopy(layer)
+        copy.seal(layer)
+        assert copy.unchanged(layer)
+        edit(layer)
+        return copy.unchanged(layer)
+
+    assert not check(lambda m: flip_bit(m.weight.data.view(-1), 5, 0))
+    assert not check(lambda m: edits(dtype)[0][1](m.scale.data))
+    assert not check(lambda m: setattr(m.weight, "data", m.weight.data.clone()))  # replaced tensor
+    assert not check(lambda m: m.register_buffer("scale", m.scale.clone()))
+    assert not check(lambda m: m.add_module("extra", torch.nn.Linear(1, 1)))  # structure
+    assert check(lambda m: None)
+
+
+def test_host_copy_refuses_what_it_cannot_read():
+    layer = module(torch.float32)
+    layer.register_buffer("sparse", torch.randn(4).to_sparse())
+    copy = HostCopy(layer)
+    copy.seal(layer)
+    assert not copy.unchanged(layer)  # evict with a copy
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fingerprinting_leaves_the_tensor_untouched(dtype):
+    tensor = sample(dtype, 1000)
+    before = tensor.clone()
+    first, second = fingerprint(tensor), fingerprint(tensor)
+    assert torch.equal(bits(tensor), bits(before))
+    assert torch.equal(first, second)
