@@ -1,0 +1,66 @@
+"""The transfer ledgers of a representative subset of tiny pipeline x scenario x option set are exactly the ones
+recorded in `tests/data/ledgers-baseline.json` (by `tests/tools/record_ledgers.py`, public API only) before the
+runtime's refactoring: every record (component, direction, bytes, call index, kind, step) in order, the components
+hooked at the end and the images' shape. The images' checksum is not compared (not bit-stable across runs).
+
+The baseline was recorded with diffusers 0.42.1; the old stack (diffusers 0.32.2, accelerate 1.6) records the same
+ledgers for every pipeline it has (all but Wan). Should a diffusers version ever record different ones for a real
+reason, record them into `ledgers-baseline-diffusers-<version>.json`: that file is then used for that version.
+
+Re-record all (about 40 s): `PYTHONPATH=. python tests/tools/record_ledgers.py`.
+"""
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+import tiny_pipelines as tiny
+
+_path = pathlib.Path(__file__).resolve().parent / "tools" / "record_ledgers.py"
+_spec = importlib.util.spec_from_file_location("record_ledgers", _path)
+record_ledgers = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("record_ledgers", record_ledgers)
+_spec.loader.exec_module(record_ledgers)
+
+DATA = pathlib.Path(__file__).resolve().parent / "data"
+#: Each pipeline once with a preview-decoding callback under stock semantics, and every option set on three calls
+#: of a transformer pipeline and a UNet pipeline with two text encoders.
+SUBSET = [(name, "preview", "stock") for name in tiny.PIPELINES] + [
+    (name, "three_calls", option) for name in ("flux", "sdxl") for option in record_ledgers.OPTIONS
+]
+_baselines = {}
+
+
+def baseline_path() -> pathlib.Path:
+    import diffusers
+
+    specific = DATA / f"ledgers-baseline-diffusers-{diffusers.__version__}.json"
+    return specific if specific.exists() else DATA / "ledgers-baseline.json"
+
+
+def baseline() -> dict:
+    path = baseline_path()
+    if path not in _baselines:
+        _baselines[path] = record_ledgers.load(path)
+    return _baselines[path]
+
+
+def cases():
+    for name, scenario, option in SUBSET:
+        ok, reason = tiny.available(name)
+        marks = [] if ok else [pytest.mark.skip(reason=reason)]
+        yield pytest.param(name, scenario, option, marks=marks, id=record_ledgers.key(name, scenario, option))
+
+
+@pytest.mark.plugin_only
+@pytest.mark.parametrize("name, scenario, option", list(cases()))
+def test_ledger_equals_the_baseline(installed, name, scenario, option):
+    key = record_ledgers.key(name, scenario, option)
+    expected = baseline().get(key)
+    if expected is None:
+        pytest.fail(f"{key} is not in {baseline_path().name}: re-record it with tests/tools/record_ledgers.py")
+    actual = record_ledgers.record(name, scenario, option)
+    difference = record_ledgers.diff(expected, actual)
+    if difference:
+        pytest.fail(f"{key} differs from {baseline_path().name}:\n{difference}", pytrace=False)
