@@ -1,7 +1,9 @@
 """The transfer ledgers of a representative subset of tiny pipeline x scenario x option set are exactly the ones
 recorded in `tests/data/ledgers-baseline.json` (by `tests/tools/record_ledgers.py`, public API only) before the
-runtime's refactoring: every record (component, direction, bytes, call index, kind, step) in order, the components
-hooked at the end and the images' shape. The images' checksum is not compared (not bit-stable across runs).
+runtime's refactoring: every record (component, direction, bytes, call index, kind) in order, the components hooked
+at the end and the images' shape. The images' checksum is not compared (not bit-stable across runs). The baseline's
+`step` is null everywhere (it was filled only while tracing); now the call tracker fills it always, and
+`test_steps_are_filled_without_a_trace` checks that instead.
 
 The baseline was recorded with diffusers 0.42.1; the old stack (diffusers 0.32.2, accelerate 1.6) records the same
 ledgers for every pipeline it has (all but Wan). Should a diffusers version ever record different ones for a real
@@ -64,3 +66,15 @@ def test_ledger_equals_the_baseline(installed, name, scenario, option):
     difference = record_ledgers.diff(expected, actual)
     if difference:
         pytest.fail(f"{key} differs from {baseline_path().name}:\n{difference}", pytrace=False)
+
+
+@pytest.mark.plugin_only
+@pytest.mark.parametrize("name", ["flux", "sdxl"])
+def test_steps_are_filled_without_a_trace(installed, name):
+    """Moves made inside the denoising loop carry its step, moves outside it none; nobody traces the pipeline."""
+    entry = record_ledgers.record(name, "preview", "stock")
+    steps = tiny.STEPS_RUN[name]
+    in_loop = [r for r in entry["ledger"] if r[5] is not None]
+    assert {r[5] for r in in_loop} == set(range(steps))  # a preview decode evicts the denoiser at every step
+    assert all(r[3] is not None for r in in_loop)
+    assert all(r[5] is None for r in entry["ledger"] if r[3] is None)  # at enable time
