@@ -28,7 +28,8 @@ class Block(ModelMixin, ConfigMixin):
         self.register_buffer("scale", torch.ones(width))
 
     def forward(self, x=None):
-        x = torch.ones(self.linear.in_features) if x is None else x
+        # Inputs made where the weights are, as a pipeline makes them on its execution device.
+        x = torch.ones(self.linear.in_features, device=self.linear.weight.device) if x is None else x
         return self.linear(x) * self.scale
 
 
@@ -36,7 +37,7 @@ class Vae(Block):
     @apply_forward_hook
     def decode(self, x=None):
         # Like diffusers' VAEs: decode does not go through forward; the hook's pre_forward(module) runs.
-        return self.linear(torch.ones(self.linear.in_features))
+        return self.linear(torch.ones(self.linear.in_features, device=self.linear.weight.device))
 
 
 class TracePipeline(DiffusionPipeline):

@@ -16,6 +16,7 @@ from typing import AbstractSet, Iterable, List, Optional, Sequence, Set, Tuple
 from ..calls import CallTracker
 from ..constants import OFFLOAD, ONLOAD
 from .base import Decision, Facts, Overflow, Policy
+from .choice import exact_choice, greedy_choice
 from .chain import renamed
 from .masks import Universe
 from .planner import Planner
@@ -179,52 +180,23 @@ class ResidencyPolicy(Policy):
 
     def _choose(self, name: Optional[str], others: List[str], limit: int) -> Set[str]:
         """Which of `others` to keep with `name` (`None`: at a call boundary) within `limit` bytes."""
-        need = self.sizes[name] if name is not None else 0
+        room = limit - (self.sizes[name] if name is not None else 0)
         if not self.exact:
-            return self._choose_greedy(others, limit - need)
-        u = self.universe
+            return self._choose_greedy(others, room)
+        learned = bool(self.calls.history)
         tables = []
-        if name is not None and not self.calls.history:
+        if name is not None and not learned:
             tables = self.planner.first_call_guesses(self.calls.current or [name], self.model, self.chain)
         if len(tables) < 2:
-            tables = [self.planner.values(self.calls.current, self.model, self.chain, bool(self.calls.history))]
-        bit = u.mask([name]) if name is not None else 0
-        pool = u.mask(others)
-        candidates = u.subsets_within(pool, limit - need, alone_may_stay=name is None)
-        if name is not None and self.shadow.fits:
-            allowed = [c for c in candidates if self.shadow.allows(u, c[0], pool, bit)]
-            candidates = allowed or candidates
-        if len(tables) == 1:
-            table = tables[0]
-            best_mask = min(candidates, key=lambda c: (table[c[0] | bit], -c[1]))[0]
-        else:
-            # Two guesses about the rest of a first call: the least worst regret over both.
-            lows = [min(table[c | bit] for c, _ in candidates) for table in tables]
-
-            def score(candidate):
-                values = [table[candidate[0] | bit] for table in tables]
-                return (max(v - low for v, low in zip(values, lows)), sum(values), -candidate[1])
-
-            best_mask = min(candidates, key=score)[0]
+            tables = [self.planner.values(self.calls.current, self.model, self.chain, learned)]
+        keep = exact_choice(self.universe, name, others, room, tables, self.shadow)
+        if len(tables) > 1:
             self.planner.plan = None  # the next events tell which guess was right; plan again then
-        return set(u.names_of(best_mask))
+        return keep
 
     def _choose_greedy(self, others: List[str], room: int) -> Set[str]:
         upcoming = self.planner.upcoming(self.calls.current, self.model, self.chain, bool(self.calls.history))
-        first = {}
-        for position, event in enumerate(upcoming):
-            first.setdefault(event, position)
-        protected = self.shadow.protected(others, self.sizes, room)
-        # Evict first what is never used again, then what is used last; larger first on ties; what stock holds last.
-        ranked = sorted(others, key=lambda n: (n in protected, n in first, -first.get(n, 0), -self.sizes[n]))
-        keep = set(others)
-        held = sum(self.sizes[n] for n in others)
-        for victim in ranked:
-            if held <= room:
-                break
-            keep.discard(victim)
-            held -= self.sizes[victim]
-        return keep
+        return greedy_choice(upcoming, others, self.sizes, room, self.shadow.protected(others, self.sizes, room))
 
     # -- bookkeeping ------------------------------------------------------------------------------------------------
     def _advance(self, name: str) -> None:

@@ -1,0 +1,83 @@
+"""The end of a call is its own event: when offload is armed again with nothing changed (stock's
+`maybe_free_model_hooks()` at the end of every call, or an enable with the same options), hooks and policy stay and
+no parameter is walked; anything that did change arms everything again."""
+
+import pytest
+import toy
+import torch
+
+pytestmark = pytest.mark.plugin_only
+
+PREVIEW = ["text_encoder", "text_encoder_2", "transformer", "vae", "transformer", "vae", "vae"]
+OPTIONS = {
+    "defaults": {},
+    "exclude": {"exclude_from_offload": ["transformer"]},
+    "keep": {"keep_on_device_during_generation": True},
+    "residency": {"keep_on_device_between_generations": True},
+}
+WALKS = ("parameters", "named_parameters", "buffers", "named_buffers", "modules", "named_modules", "_apply", "to")
+
+
+def hooks(pipe):
+    return {n: getattr(m, "_hf_hook", None) for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_hooks_stay_across_calls(installed, option):
+    pipe = toy.build()
+    pipe.enable_model_cpu_offload(device="cpu", **OPTIONS[option])
+    before = hooks(pipe)
+    for _ in range(3):
+        pipe(PREVIEW)
+    assert hooks(pipe) == before and all(h is before[n] for n, h in hooks(pipe).items())
+
+
+def count_walks(monkeypatch):
+    counted = []
+    for method in WALKS:
+        original = getattr(torch.nn.Module, method)
+
+        def counting(self, *args, _original=original, _name=method, **kwargs):
+            counted.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.Module, method, counting)
+    return counted
+
+
+def test_end_of_call_with_nothing_to_move_walks_no_parameter(installed, monkeypatch):
+    pipe = toy.build()
+    pipe.enable_model_cpu_offload(device="cpu", keep_on_device_between_generations=True)
+    pipe(PREVIEW)
+    counted = count_walks(monkeypatch)
+    pipe.maybe_free_model_hooks()
+    pipe.enable_model_cpu_offload()  # the same options again, as diffusers' LoRA loading does
+    pipe.enable_model_cpu_offload(device="cpu")
+    assert counted == []
+
+
+def test_end_of_call_walks_only_what_it_moves(installed, monkeypatch):
+    """Stock's chain sends every offloaded component home at the end of a call: the walks are those moves' own."""
+    doe = installed
+    pipe = toy.build()
+    pipe.enable_model_cpu_offload(device="cpu")
+    pipe.transformer()  # one component on the device
+    ledger = doe.transfer_ledger(pipe)
+    ledger.clear()
+    counted = count_walks(monkeypatch)
+    pipe.maybe_free_model_hooks()
+    moved = [(r.component, r.direction) for r in ledger.records]
+    assert moved == [("transformer", "offload"), ("safety_checker", "offload"), ("safety_checker", "onload")]
+    assert counted.count("to") == len(moved)
+
+
+def test_a_change_arms_everything_again(installed):
+    pipe = toy.build()
+    pipe.enable_model_cpu_offload(device="cpu")
+    before = hooks(pipe)
+    pipe.enable_model_cpu_offload(keep_on_device_during_generation=True)  # new options
+    after = hooks(pipe)
+    assert all(after[n] is not before[n] for n in after if before[n] is not None)
+    pipe.text_encoder = toy.Block(toy.WIDTHS["text_encoder"])  # a component replaced
+    pipe(PREVIEW)
+    assert isinstance(pipe.text_encoder._hf_hook, type(after["transformer"]))
