@@ -5,9 +5,11 @@ then on the tiny pipelines with stock diffusers: placement that works on CUDA wo
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -148,6 +150,25 @@ def test_factories_with_device_and_like_functions(sim):
 def test_parameter_of_a_device_tensor_is_on_the_device(sim):
     assert torch.nn.Parameter(_dev(sim, 2)).device == sim.device
     assert torch.nn.Parameter(torch.ones(2)).device == HOST
+
+
+def test_type_as_and_deepcopy_follow_their_source(sim):
+    d, x = _dev(sim, 2), torch.ones(2, dtype=torch.float64)
+    assert x.type_as(d).device == sim.device and d.type_as(x).device == HOST  # type_as moves, as on CUDA
+    host_copy, device_copy = copy.deepcopy([x, d])  # the memo holds both: no mixing
+    assert (host_copy.device, device_copy.device) == (HOST, sim.device)
+
+
+def test_tags_are_weak_and_per_object(sim):
+    d = _dev(sim, 3)
+    ref = weakref.ref(d)
+    del d
+    gc.collect()
+    assert ref() is None  # the simulator keeps nothing alive
+    assert not any(sim.is_on_device(torch.ones(3)) for _ in range(100))  # nor tags whatever reuses the address
+    d = _dev(sim, 3)
+    alias = torch.Tensor(d.untyped_storage())  # another object over the same storage, made without a torch call
+    assert sim.is_on_device(d) and not sim.is_on_device(alias)
 
 
 # ----------------------------------------------------------------------------------------------------- modules
