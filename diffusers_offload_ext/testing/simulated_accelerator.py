@@ -67,7 +67,7 @@ class SimulatedAccelerator(TorchFunctionMode):
         return ref is not None and ref() is tensor
 
     def where(self, module: torch.nn.Module) -> str:
-        """ "device", "host", "mixed" or "empty": where the module's parameters and buffers are."""
+        """Where the module's parameters and buffers are: "device", "host", "mixed" or "empty" (it has none)."""
         tensors = [*module.parameters(), *module.buffers()]
         on_device = sum(self.is_on_device(t) for t in tensors)
         if not tensors:
@@ -84,8 +84,10 @@ class SimulatedAccelerator(TorchFunctionMode):
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        del torch.Tensor._make_subclass
-        super().__exit__(*exc_info)
+        try:
+            del torch.Tensor._make_subclass
+        finally:
+            super().__exit__(*exc_info)
 
     def _make_subclass(self, cls: type, data: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         result = torch._C.TensorBase._make_subclass(cls, data, *args, **kwargs)
@@ -106,17 +108,7 @@ class SimulatedAccelerator(TorchFunctionMode):
             inputs = (*args, *kwargs.values())
         else:
             inputs = args
-        on_device, host, tags = False, None, self._tags
-        for arg in inputs:  # the fast path of _scan: no containers
-            if isinstance(arg, _Tensor):
-                ref = tags.get(id(arg))
-                if ref is not None and ref() is arg:
-                    on_device = True
-                elif host is None and arg.dim():
-                    host = arg
-            elif isinstance(arg, (list, tuple, dict)) and arg:
-                on_device, host = self._scan(inputs)
-                break
+        on_device, host = self._scan(inputs)
         if on_device and host is not None:
             raise _mixing_error(func, host)
         result = func(*args, **kwargs)
@@ -145,12 +137,16 @@ class SimulatedAccelerator(TorchFunctionMode):
 
     def _scan(self, inputs: tuple) -> tuple[bool, Optional[torch.Tensor]]:
         """(some input is on the device, the first host input that cannot mix with it (dim >= 1) or None)."""
-        on_device, host = False, None
-        for tensor in _tensors(inputs):
-            if self.is_on_device(tensor):
-                on_device = True
-            elif host is None and tensor.dim():
-                host = tensor
+        on_device, host, tags = False, None, self._tags
+        for arg in inputs:
+            if isinstance(arg, _Tensor):
+                ref = tags.get(id(arg))
+                if ref is not None and ref() is arg:
+                    on_device = True
+                elif host is None and arg.dim():
+                    host = arg
+            elif isinstance(arg, (list, tuple, dict)) and arg:  # the slow path: tensors in containers
+                return self._scan(tuple(_tensors(inputs)))
         return on_device, host
 
     def _placed(self, func, args: tuple, kwargs: dict):
