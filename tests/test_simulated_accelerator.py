@@ -85,15 +85,17 @@ def test_counters_exact_bytes_and_reset(sim):
     d.to(sim.device)  # already there: nothing
     d.cpu()  # 40 bytes back
     torch.ones(2, dtype=torch.float64).to(sim.device, torch.float16)  # arrives as 2 halves: 4 bytes
-    assert (sim.h2d_bytes, sim.d2h_bytes) == (50, 40)
+    assert (sim.h2d_bytes, sim.d2h_bytes, sim.h2d_count, sim.d2h_count) == (50, 40, 3, 1)
     assert sim.copies == (
         ("h2d", 40, False, "to"),
         ("h2d", 6, False, "to"),
         ("d2h", 40, False, "cpu"),
         ("h2d", 4, False, "to"),
     )
+    with pytest.raises(AttributeError):
+        sim.h2d_bytes = 0  # read-only
     sim.reset_counters()
-    assert (sim.h2d_bytes, sim.d2h_bytes, sim.copies) == (0, 0, ())
+    assert (sim.h2d_bytes, sim.d2h_bytes, sim.h2d_count, sim.d2h_count, sim.copies) == (0, 0, 0, 0, ())
 
 
 def test_copy_between_devices_is_allowed_and_counted(sim):

@@ -51,13 +51,14 @@ class SimulatedAccelerator(TorchFunctionMode):
     def copies(self) -> tuple[Transfer, ...]:
         return tuple(self._copies)
 
-    @property
-    def h2d_bytes(self) -> int:
-        return sum(c.nbytes for c in self._copies if c.direction == "h2d")
+    def _total(self, direction: str, count: bool = False) -> int:
+        return sum(1 if count else c.nbytes for c in self._copies if c.direction == direction)
 
-    @property
-    def d2h_bytes(self) -> int:
-        return sum(c.nbytes for c in self._copies if c.direction == "d2h")
+    # Bytes and number of tensors that crossed the bus each way (`.to()`, `.cpu()`, `type_as`, cross-device `copy_`).
+    h2d_bytes = property(lambda self: self._total("h2d"))
+    d2h_bytes = property(lambda self: self._total("d2h"))
+    h2d_count = property(lambda self: self._total("h2d", count=True))
+    d2h_count = property(lambda self: self._total("d2h", count=True))
 
     def reset_counters(self) -> None:
         self._copies.clear()
