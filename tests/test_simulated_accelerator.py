@@ -154,10 +154,11 @@ def test_parameter_of_a_device_tensor_is_on_the_device(sim):
     assert torch.nn.Parameter(torch.ones(2)).device == HOST
 
 
-def test_type_as_and_deepcopy_follow_their_source(sim):
+def test_type_as_deepcopy_and_view_as_follow_their_source(sim):
     d, x = _dev(sim, 2), torch.ones(2, dtype=torch.float64)
     assert x.type_as(d).device == sim.device and d.type_as(x).device == HOST  # type_as moves, as on CUDA
     host_copy, device_copy = copy.deepcopy([x, d])  # the memo holds both: no mixing
+    assert d.view_as(x).device == sim.device and x.expand_as(d).device == HOST  # only the other's size is used
     assert (host_copy.device, device_copy.device) == (HOST, sim.device)
 
 

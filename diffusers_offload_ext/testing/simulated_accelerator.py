@@ -334,6 +334,7 @@ _SPECIAL = {
     _Tensor.__getitem__: _S._getitem,
     _Tensor.__setitem__: _S._unchecked,
     _Tensor.__deepcopy__: _S._follows_self,
+    **{getattr(_Tensor, name): _S._follows_self for name in ("view_as", "expand_as", "reshape_as")},  # only sizes
     _Tensor.index_put_: _S._index_put,
     _Tensor.index_put: _S._index_put,
     torch.index_put_: _S._index_put,
