@@ -196,6 +196,9 @@ def test_module_to_round_trip_keeps_parameter_objects_with_new_storage(sim):
     assert {b.device for b in module.buffers()} == {sim.device}  # running stats and the plain buffer
     nbytes = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
     assert sim.h2d_bytes == nbytes and sum(c.is_parameter for c in sim.copies) == len(params)
+    sim.reset_counters()
+    module.to(sim.device)  # already there: nothing moves
+    assert sim.copies == () and sim.where(module) == "device"
     module.to("cpu")
     assert list(module.parameters()) == params and sim.where(module) == "host" and sim.d2h_bytes == nbytes
     assert all(torch.equal(p.detach(), before[id(p)][1]) for p in params)
