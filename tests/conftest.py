@@ -62,6 +62,20 @@ def offload_impl(request):
     return request.config.getoption("--offload-impl")
 
 
+@pytest.fixture(params=["cpu", "simulated"])
+def accelerator(request):
+    """Each test that asks for it runs twice: on the plain CPU (host and device are the same memory), and on the
+    simulated accelerator, where `.to(device)` makes distinct tensors, tensors report where they are, and a layer
+    that runs on host weights with device inputs fails as on CUDA (`diffusers_offload_ext/testing/`)."""
+    if request.param == "cpu":
+        yield None
+        return
+    from simulated_accelerator import SimulatedAccelerator
+
+    with SimulatedAccelerator() as sim:
+        yield sim
+
+
 @pytest.fixture
 def installed(offload_impl):
     """The new `enable_model_cpu_offload` arguments are available on every pipeline for the test's duration."""

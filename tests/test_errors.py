@@ -4,6 +4,8 @@ import pytest
 import toy
 from spy import MoveSpy, modules_of
 
+pytestmark = pytest.mark.usefixtures("accelerator")  # each test on the plain CPU and on the simulated accelerator
+
 
 def snapshot(pipe):
     modules = modules_of(pipe)

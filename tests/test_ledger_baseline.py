@@ -19,6 +19,8 @@ import sys
 import pytest
 import tiny_pipelines as tiny
 
+pytestmark = pytest.mark.usefixtures("accelerator")  # each test on the plain CPU and on the simulated accelerator
+
 _path = pathlib.Path(__file__).resolve().parent / "tools" / "record_ledgers.py"
 _spec = importlib.util.spec_from_file_location("record_ledgers", _path)
 record_ledgers = importlib.util.module_from_spec(_spec)

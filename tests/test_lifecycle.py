@@ -8,6 +8,8 @@ import toy
 from harness import hooked_names, resident
 from spy import MoveSpy, modules_of
 
+pytestmark = pytest.mark.usefixtures("accelerator")  # each test on the plain CPU and on the simulated accelerator
+
 PREVIEW = ["text_encoder", "text_encoder_2"] + ["transformer", "vae"] * 3
 
 
@@ -179,9 +181,11 @@ def test_after_enable_like_stock(action):
         pipe(PREVIEW)
         got = _outcome(pipe, AFTER[action])
         if got[0] == "ok" and expected[0] == "ok":
-            # The excluded component had no hook to begin with; everything else must match stock.
+            # The excluded component had no hook to begin with and stays on the device (where tensors tell, it
+            # reports the execution device); everything else must match stock.
             assert got[1].pop("controlnet") in (None, expected[1]["controlnet"])
             expected[1].pop("controlnet")
+            assert got[2].pop("controlnet") in (expected[2].pop("controlnet"), ["cpu"], ["cpu:0"])
     finally:
         doe.uninstall()
     assert got == expected

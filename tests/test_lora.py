@@ -7,6 +7,8 @@ import torch
 from harness import Session, hooked_names, max_abs_diff
 from spy import modules_of
 
+pytestmark = pytest.mark.usefixtures("accelerator")  # each test on the plain CPU and on the simulated accelerator
+
 peft = pytest.importorskip("peft", reason="LoRA loading needs peft (in the test extra)")
 
 

@@ -6,6 +6,8 @@ import tiny_pipelines as tiny
 from harness import Session, canonical, hooked_names, ledger_moves, max_abs_diff
 from spy import EXEC, modules_of
 
+pytestmark = pytest.mark.usefixtures("accelerator")  # each test on the plain CPU and on the simulated accelerator
+
 DENOISER = {"sd15": "unet", "sdxl": "unet", "sd_controlnet": "unet"}  # the others: "transformer"
 OPTIONS = {
     "stock": (False, ()),

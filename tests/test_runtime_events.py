@@ -6,7 +6,7 @@ import pytest
 import toy
 import torch
 
-pytestmark = pytest.mark.plugin_only
+pytestmark = [pytest.mark.plugin_only, pytest.mark.usefixtures("accelerator")]
 
 PREVIEW = ["text_encoder", "text_encoder_2", "transformer", "vae", "transformer", "vae", "vae"]
 OPTIONS = {

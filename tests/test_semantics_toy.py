@@ -5,6 +5,8 @@ import toy
 from harness import Session, canonical, hooked_names, ledger_moves
 from spy import EXEC, modules_of
 
+pytestmark = pytest.mark.usefixtures("accelerator")  # each test on the plain CPU and on the simulated accelerator
+
 PREVIEW = ["text_encoder", "text_encoder_2"] + ["transformer", "vae"] * 3 + ["vae"]
 PLAIN = ["text_encoder", "text_encoder_2"] + ["transformer"] * 3 + ["vae"]
 OUT_OF_CHAIN = ["text_encoder", "controlnet", "transformer", "controlnet", "transformer", "vae"]

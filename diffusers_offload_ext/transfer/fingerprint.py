@@ -59,7 +59,7 @@ def _mix_int(value: int) -> int:
 def _position_words(device: torch.device, n: int) -> torch.Tensor:
     """Pseudo-random words for positions `0..n-1` within a chunk, cached per device."""
     words = _positions.get((device, CHUNK))
-    if words is None or words.numel() < n:
+    if words is None or words.numel() < n or words.device != device:
         size = min(max(n, 1 << 16), CHUNK)
         words = _mix_(torch.arange(1, size + 1, dtype=torch.int64, device=device) * _GOLDEN)
         _positions[(device, CHUNK)] = words
