@@ -1,0 +1,67 @@
+"""The extension's own moves: the tracer subscribes to its session's observers (the one thing it adds to the
+runtime), times each move the session reports and records it as an `"extension"` move."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ...constants import ONLOAD
+from .devices import device_name
+from .records import EXTENSION
+from .timing import Span
+
+
+class ExtensionMoves:
+    """An observer of one session at a time.
+
+    Args:
+        placement (`Placement`): Re-read after a move where tensors tell the device.
+        recorder (`Recorder`): Where the moves go.
+        active (`Callable[[], bool]`): Whether the trace is recording.
+    """
+
+    def __init__(self, placement, recorder, active: Callable[[], bool]) -> None:
+        self.placement = placement
+        self.recorder = recorder
+        self.active = active
+        self.session = None
+
+    def follow(self, session) -> None:
+        """Be told of `session`'s moves (`None`: of no session's), and no longer of another session's."""
+        if session is self.session:
+            return
+        previous, self.session = self.session, None
+        if previous is not None and self in previous.observers:
+            previous.observers.remove(self)
+        if session is not None:
+            session.observers.append(self)
+            self.session = session
+
+    def __call__(self, name: str, direction: str, module: torch.nn.Module) -> Callable:
+        """The session is about to move component `name`; the returned function records the move when it is done."""
+        if not self.active() or self.session is None:
+            return _ignore
+        device = self.session.device
+        span = Span(f"diffusers_offload_ext::{direction}::{name}", device)
+        target = device_name(device) or "cpu"
+        src, dst = ("cpu", target) if direction == ONLOAD else (target, "cpu")
+        readable = device is not None and device.type != "cpu"
+
+        def finish(record) -> None:
+            seconds = span.stop()
+            if readable:
+                self.placement.remember(name, module)
+            onloaded = self.placement.resident_bytes(name, target) if readable else record.nbytes
+            self.recorder.resident[name] = onloaded if direction == ONLOAD else 0
+            kind = record.kind
+            self.recorder.add(
+                name, direction, record.nbytes, kind, EXTENSION, src, dst, EXTENSION, seconds, span.clock
+            )
+
+        return finish
+
+
+def _ignore(record) -> None:
+    pass
