@@ -8,8 +8,8 @@ doe = pytest.importorskip("diffusers_offload_ext")
 import toy  # noqa: E402
 from accelerate.hooks import ModelHook, add_hook_to_module  # noqa: E402
 
-from diffusers_offload_ext import _trace  # noqa: E402
-from diffusers_offload_ext._policy import END, ChainPolicy, replay  # noqa: E402
+from diffusers_offload_ext.calls import AFTER, BEFORE, LOOP  # noqa: E402
+from diffusers_offload_ext.observe.trace import BETWEEN, nvtx_range, timing  # noqa: E402
 
 pytestmark = pytest.mark.plugin_only
 
@@ -35,6 +35,10 @@ def _ledger_tuples(records):
     return [(r.component, r.direction, r.nbytes, r.kind) for r in records]
 
 
+#: Roles of the components that have an offload hook (`doe.offload_status`).
+HOOKED_ROLES = ("chain", "outside chain", "kept")
+
+
 @pytest.mark.parametrize(
     "options",
     [{}, {"exclude_from_offload": ["transformer"]}, {"keep_on_device_during_generation": True}],
@@ -54,10 +58,10 @@ def test_records_agree_with_the_ledger(options):
     first_call = made[0].call_index
     assert [r.call for r in recorded.records] == [r.call_index - first_call for r in made]
     # The component-call trace holds every component that ran; the hooked ones are what the extension's hooks saw.
-    state = pipe.__dict__["_offload_ext_state"]
-    hooked = state.policy.hooked
+    status = doe.offload_status(pipe)
+    hooked = {name for name, component in status.components.items() if component.role in HOOKED_ROLES}
     seen = [tuple(n for n in recorded.component_trace(i) if n in hooked) for i in range(len(TRACES))]
-    assert seen == [tuple(t) for t in state.traces[-3:]]
+    assert seen == [tuple(t) for t in status.recent_calls[-3:]]
     assert [tuple(t) for t in TRACES] == [recorded.component_trace(i) for i in range(len(TRACES))]
     # Durations are measured (wall clock on the CPU).
     assert all(r.timing == "wall-clock" and r.duration_s is not None and r.duration_s >= 0 for r in recorded.records)
@@ -90,9 +94,9 @@ def test_steps_come_from_the_progress_bar_and_reach_the_ledger():
     assert evictions == list(range(steps))
     assert [r.step for r in ledger.records if r.call_index is not None] == [r.step for r in recorded.records]
     phases = {r.component: r.phase for r in recorded.records if r.direction == "onload"}
-    assert phases["text_encoder"] == _trace.BEFORE and phases["vae"] == _trace.LOOP
-    assert recorded.records[-1].phase == _trace.AFTER and recorded.records[-1].step is None
-    assert pipe.__dict__["_offload_ext_state"].step is None
+    assert phases["text_encoder"] == BEFORE and phases["vae"] == LOOP
+    assert recorded.records[-1].phase == AFTER and recorded.records[-1].step is None
+    assert ledger.records[-1].step is None
 
 
 class _PrintsButMovesNothing(ModelHook):
@@ -140,7 +144,7 @@ def test_a_move_outside_any_hook_is_observed_between_hooks():
     with doe.trace(pipe) as recorded:
         pipe(["text_encoder"])
     assert [(r.component, r.nbytes, r.where, r.duration_s) for r in recorded.records] == [
-        ("vae", expected, _trace.BETWEEN, None)
+        ("vae", expected, BETWEEN, None)
     ]
 
 
@@ -154,14 +158,14 @@ def test_stock_model_offload_on_the_cpu_is_replayed_from_its_chain_policy():
     assert recorded.replayed and {r.source for r in recorded.records} == {"replayed"}
     assert any("REPLAYED" in note for note in recorded.notes)
     sizes = {n: doe.module_nbytes(m) for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
-    policy = ChainPolicy(
+    policy = doe.ChainPolicy(
         order=[n for n in toy.NAMES if n in sizes],
         chain=["text_encoder", "text_encoder_2", "transformer", "vae"],
         hooked=["text_encoder", "text_encoder_2", "transformer", "vae", "controlnet"],
-        bounce=["safety_checker"],
+        round_trip=["safety_checker"],
     )
-    flat = [event for events in TRACES for event in list(events) + [END]]
-    expected = replay(policy, flat, sizes, resident={"safety_checker"})
+    flat = [event for events in TRACES for event in list(events) + [doe.END]]
+    expected = doe.replay(policy, flat, sizes, resident={"safety_checker"})
     assert [(r.direction, r.component, r.nbytes) for r in recorded.records] == expected
     # The extension with default options makes exactly these moves on the same traces.
     mixed = _mixed()
@@ -202,14 +206,14 @@ def test_nvtx_range_only_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda message: calls.append(("push", message)))
     monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append(("pop",)))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with _trace.nvtx_range("a", torch.device("cpu")):
+    with nvtx_range("a", torch.device("cpu")):
         pass
     assert calls == []
-    with _trace.nvtx_range("b", torch.device("cuda", 0)):
+    with nvtx_range("b", torch.device("cuda", 0)):
         calls.append(("body",))
     assert calls == [("push", "b"), ("body",), ("pop",)]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with _trace.nvtx_range("c", torch.device("cuda", 0)):
+    with nvtx_range("c", torch.device("cuda", 0)):
         pass
     assert calls == [("push", "b"), ("body",), ("pop",)]
 
@@ -234,7 +238,7 @@ class _FakeEvent:
 
 def test_extension_moves_on_cuda_use_nvtx_and_cuda_events(monkeypatch):
     pushed = []
-    monkeypatch.setattr(_trace, "_nvtx_enabled", lambda device: True)
+    monkeypatch.setattr(timing, "nvtx_enabled", lambda device: True)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda message: pushed.append(message))
     monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: pushed.append(None))

@@ -9,7 +9,7 @@ doe = pytest.importorskip("diffusers_offload_ext")
 
 import toy  # noqa: E402
 
-from diffusers_offload_ext._trace import FORMAT, Trace  # noqa: E402
+from diffusers_offload_ext.observe.trace import FORMAT, Trace  # noqa: E402
 
 pytestmark = pytest.mark.plugin_only
 

@@ -32,12 +32,11 @@ class ExtensionMoves:
         """Be told of `session`'s moves (`None`: of no session's), and no longer of another session's."""
         if session is self.session:
             return
-        previous, self.session = self.session, None
-        if previous is not None and self in previous.observers:
-            previous.observers.remove(self)
+        if self.session is not None and self in self.session.observers:
+            self.session.observers.remove(self)
+        self.session = session
         if session is not None:
             session.observers.append(self)
-            self.session = session
 
     def __call__(self, name: str, direction: str, module: torch.nn.Module) -> Callable:
         """The session is about to move component `name`; the returned function records the move when it is done."""
