@@ -14,8 +14,8 @@ Three sources of records, always named in the record (`source`) and in every out
 
 Modules: `records` (the data and its JSON form), `document` (`Trace` and `trace()`), `tracer` (start, stop and
 wiring), `pipeline` (what the tracer sees of a pipeline), `hooks` (wrapping), `placement` (reading tensor devices),
-`devices` (device names), `phases` (calls, steps and phases), `recorder` (making records), `stock` (replays of stock
-offload on the CPU), `timing` (clocks and NVTX ranges).
+`devices` (device names), `phases` (calls, steps and phases), `recorder` (making records), `extension` (the
+extension's own moves), `stock` (replays of stock offload on the CPU), `timing` (clocks, NVTX and profiler ranges).
 """
 
 from .document import Trace, trace
