@@ -11,7 +11,7 @@ from accelerate.hooks import ModelHook, add_hook_to_module  # noqa: E402
 from diffusers_offload_ext.calls import AFTER, BEFORE, LOOP  # noqa: E402
 from diffusers_offload_ext.observe.trace import BETWEEN, nvtx_range, timing  # noqa: E402
 
-pytestmark = pytest.mark.plugin_only
+pytestmark = [pytest.mark.plugin_only, pytest.mark.usefixtures("accelerator")]
 
 
 class MixedToy(doe.OffloadMixin, toy.TracePipeline):

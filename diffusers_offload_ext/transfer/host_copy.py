@@ -72,9 +72,12 @@ class HostCopy:
 
     @staticmethod
     def _content(found: List[Slot]) -> Optional[list]:
-        if not all(fingerprintable(t) for _, _, _, t in found):
+        """A fingerprint per tensor (`None` for a `meta` tensor: it holds no data that could change); `None` in all
+        when some tensor cannot be read."""
+        readable = [t for _, _, _, t in found if t.device.type != "meta"]
+        if not all(fingerprintable(t) for t in readable):
             return None
-        return [fingerprint(t) for _, _, _, t in found]
+        return [None if t.device.type == "meta" else fingerprint(t) for _, _, _, t in found]
 
     def unchanged(self, module: torch.nn.Module) -> bool:
         """Whether the device tensors are still exactly the ones `seal` saw, unmodified."""
@@ -91,11 +94,11 @@ class HostCopy:
             if is_param and t.grad is not None:
                 return False
         content = self._content(found)
-        if content is None or len(content) != len(self.content):
+        if content is None or [c is None for c in content] != [c is None for c in self.content]:
             return False
-        if not content:
-            return True
-        return bool(torch.equal(torch.stack(content), torch.stack(self.content)))
+        now = [c for c in content if c is not None]
+        sealed = [c for c in self.content if c is not None]
+        return not now or bool(torch.equal(torch.stack(now), torch.stack(sealed)))
 
     def restore(self, module: torch.nn.Module) -> None:
         """Put the host tensors back in place of the device ones: the eviction without a copy."""
