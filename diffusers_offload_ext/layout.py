@@ -92,12 +92,13 @@ def split_sequence(sequence: Optional[str]) -> Tuple[str, ...]:
     return tuple(n.strip() for n in sequence.split("->")) if sequence else ()
 
 
-def modules_of(components) -> Dict[str, Any]:
-    """The components that are `torch.nn.Module`s and can move (bitsandbytes 8-bit ones cannot), in order."""
+def modules_of(components, *, movable: bool = True) -> Dict[str, Any]:
+    """The components that are `torch.nn.Module`s, in order; with `movable`, without those that cannot move
+    (bitsandbytes 8-bit ones)."""
     import torch
 
     return {
         name: value
         for name, value in components.items()
-        if isinstance(value, torch.nn.Module) and not getattr(value, "is_loaded_in_8bit", False)
+        if isinstance(value, torch.nn.Module) and not (movable and getattr(value, "is_loaded_in_8bit", False))
     }

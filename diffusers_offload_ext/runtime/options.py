@@ -13,6 +13,7 @@ from diffusers.utils import logging
 
 from ..constants import DEFAULT_RESERVE
 from ..transfer import memory
+from ..layout import modules_of
 from ..units import MAX_BYTES, UNIT_NAMES, SizeError, format_size, parse_size
 
 EXCLUDE = "exclude_from_offload"
@@ -61,11 +62,6 @@ class OffloadOptions:
         return frozenset(offloaded) if self.keep_all else frozenset(n for n in self.keep if n in offloaded)
 
 
-def module_components(components: Mapping[str, Any]) -> Dict[str, torch.nn.Module]:
-    """The components that are `torch.nn.Module`s, in the pipeline's order."""
-    return {name: value for name, value in components.items() if isinstance(value, torch.nn.Module)}
-
-
 def _names(argument: str, value: Any, components: Mapping[str, Any]) -> Tuple[str, ...]:
     """Validate a str or an iterable of component names; return them in order, each once."""
     if isinstance(value, str):
@@ -80,7 +76,7 @@ def _names(argument: str, value: Any, components: Mapping[str, Any]) -> Tuple[st
         wrong = [name for name in names if not isinstance(name, str)]
         if wrong:
             raise TypeError(f"`{argument}` must contain only component names (str), got {wrong!r} in {names!r}.")
-    valid = list(module_components(components))
+    valid = list(modules_of(components, movable=False))
     unknown = [name for name in names if name not in components]
     if unknown:
         raise ValueError(

@@ -120,11 +120,12 @@ class Session:
         """Move one component through the transfer and record it; every pipeline holding it learns where it is."""
         module = self.modules[name]
         finishers = [observer(name, direction, module) for observer in self.observers]
-        if direction == ONLOAD:
-            keep_host = self.options.residency and self.options.zero_copy and name not in self.policy.stays
-            moved = self.transfer.onload(module, keep_host=keep_host)
-        else:
-            moved = self.transfer.offload(module)
+        with torch.profiler.record_function(f"diffusers_offload_ext::{direction}::{name}"):
+            if direction == ONLOAD:
+                keep_host = self.options.residency and self.options.zero_copy and name not in self.policy.stays
+                moved = self.transfer.onload(module, keep_host=keep_host)
+            else:
+                moved = self.transfer.offload(module)
         placed(module, direction == ONLOAD, self)
         record = TransferRecord(name, direction, moved.nbytes, self.calls.index, moved.kind, self.calls.step)
         self.ledger.append(record)

@@ -21,8 +21,7 @@ class SyncTransfer(Transfer):
         if entry.host_copy is not None and nbytes:
             entry.host_copy = None  # some weights were on the host after all: that copy is stale
         host_copy = HostCopy(module) if keep_host and entry.host_copy is None else entry.host_copy
-        with torch.profiler.record_function("diffusers_offload_ext::onload"):
-            module.to(self.device)
+        module.to(self.device)
         if host_copy is not None and host_copy is not entry.host_copy:
             host_copy.seal(module)
         entry.host_copy = host_copy if keep_host else None
@@ -35,17 +34,16 @@ class SyncTransfer(Transfer):
         if entry.dirty:
             self.book.refresh(module, entry)
         host_copy, entry.host_copy = entry.host_copy, None
-        with torch.profiler.record_function("diffusers_offload_ext::offload"):
-            if host_copy is not None and host_copy.unchanged(module):
-                nbytes = self.bytes_off(module, HOST) if self.readable else module_nbytes(module)
-                host_copy.restore(module)
-                kind = DROP
-            else:
-                # Release the stale host tensors before copying: host memory never exceeds stock's peak.
-                del host_copy
-                nbytes = self.bytes_off(module, HOST) if self.readable else module_nbytes(module)
-                module.to(HOST)
-                kind = COPY
+        if host_copy is not None and host_copy.unchanged(module):
+            nbytes = self.bytes_off(module, HOST) if self.readable else module_nbytes(module)
+            host_copy.restore(module)
+            kind = DROP
+        else:
+            # Release the stale host tensors before copying: host memory never exceeds stock's peak.
+            del host_copy
+            nbytes = self.bytes_off(module, HOST) if self.readable else module_nbytes(module)
+            module.to(HOST)
+            kind = COPY
         entry.resident = False
         self._resentinel(module, entry)
         return Moved(nbytes, kind)

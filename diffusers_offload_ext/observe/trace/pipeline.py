@@ -9,7 +9,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from ...layout import PipelineLayout
-from ...runtime.options import module_components
+from ...layout import modules_of
 from .devices import device_name
 from .hooks import hook_chain, registry_hooks
 
@@ -82,7 +82,7 @@ class PipelineView(NamedTuple):
 def read_pipeline(pipe, session) -> PipelineView:
     """Read `pipe` now; `session` is its extension session or `None`."""
     layout = PipelineLayout.from_pipeline(pipe)
-    modules = module_components(pipe.components)
+    modules = modules_of(pipe.components, movable=False)
     first = [n for n in dict.fromkeys(layout.sequence) if n in modules]
     modules = {n: modules[n] for n in first + [n for n in modules if n not in first]}
     device, mode = detect(pipe, modules, session)

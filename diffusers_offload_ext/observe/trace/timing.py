@@ -62,11 +62,13 @@ class Clock:
 
 class Span:
     """One timed span that cannot be a `with` block (it starts in one callback and ends in another): a profiler range
-    named `label` (`torch.profiler.record_function`), an NVTX range on CUDA, timed by a `Clock`."""
+    named `label` (`torch.profiler.record_function`, unless `profile=False` because the caller opens one), an NVTX
+    range on CUDA, timed by a `Clock`."""
 
-    def __init__(self, label: str, device: Optional[torch.device]) -> None:
-        self.range = torch.profiler.record_function(label)
-        self.range.__enter__()
+    def __init__(self, label: str, device: Optional[torch.device], profile: bool = True) -> None:
+        self.range = torch.profiler.record_function(label) if profile else None
+        if self.range is not None:
+            self.range.__enter__()
         self.pushed = nvtx_enabled(device)
         if self.pushed:
             torch.cuda.nvtx.range_push(label)
@@ -78,5 +80,6 @@ class Span:
         seconds = self.clock.stop(self.token)
         if self.pushed:
             torch.cuda.nvtx.range_pop()
-        self.range.__exit__(None, None, None)
+        if self.range is not None:
+            self.range.__exit__(None, None, None)
         return seconds
