@@ -169,7 +169,7 @@ def test_optimum_runs_an_oversized_component_alone():
 def test_optimum_counts_fixed_components_against_the_budget():
     trace = ["te", "tr", "te", END]
     assert optimal_bytes(trace, {"te": 3, "tr": 4, "sc": 2}, budget=7).total == 7
-    assert optimal_bytes(trace, {"te": 3, "tr": 4, "sc": 2}, budget=7, fixed=["sc"]).total == 10
+    assert optimal_bytes(trace, {"te": 3, "tr": 4, "sc": 2}, budget=7, stays=["sc"]).total == 10
 
 
 # -- invariants of the manager -----------------------------------------------------------------------------------------
@@ -400,3 +400,8 @@ def test_old_keyword_names_still_work_with_a_warning():
     assert chain.excluded == {"tr"} and chain.pinned == {"tr"}
     with pytest.raises(TypeError, match="both"):
         ChainPolicy(order=["te"], chain=["te"], hooked=["te"], pinned=["te"], excluded=["te"])
+
+
+def test_optimal_bytes_takes_the_old_name_of_stays_with_a_warning():
+    with pytest.warns(FutureWarning, match="fixed"):
+        assert optimal_bytes(["te", "tr", "te", END], {"te": 3, "tr": 4, "sc": 2}, 7, fixed=["sc"]).total == 10

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Iterable, List, Mapping, NamedTuple, Optional
 
 from ..constants import END
+from .chain import renamed
 from .masks import INF, Universe
 
 
@@ -28,12 +29,13 @@ def optimal_bytes(
     sizes: Mapping[str, int],
     budget: Optional[int] = None,
     *,
-    fixed: Iterable[str] = (),
+    stays: Iterable[str] = (),
     keep_between: bool = True,
+    fixed: Optional[Iterable[str]] = None,
 ) -> Optimum:
     """The exact least host-to-device bytes to run `trace` within `budget`, evicting for free at any time.
 
-    Everything starts on the host; the running component must be on the device; components in `fixed` are always
+    Everything starts on the host; the running component must be on the device; components in `stays` are always
     there and count against the budget. A component that does not fit even alone may run alone. With
     `keep_between=False` every call's end empties the device, as stock does.
 
@@ -41,16 +43,17 @@ def optimal_bytes(
         trace (`Iterable[str]`): Component names in the order they ran; `END` marks the end of each call.
         sizes (`Mapping[str, int]`): Bytes of each component.
         budget (`int`, *optional*): Bytes allowed on the device; `None`: unlimited.
-        fixed (`Iterable[str]`, defaults to `()`): Components always on the device (not moved, not counted as moves).
+        stays (`Iterable[str]`, defaults to `()`): Components always on the device (not moved, not counted as moves).
         keep_between (`bool`, defaults to `True`): Whether components may stay on the device from one call to the next.
+        fixed: Deprecated name of `stays`.
 
     Returns:
         `Optimum`: `total` and `after_call`.
     """
     trace = list(trace)
-    fixed = set(fixed)
-    names = [n for n in dict.fromkeys(trace) if n != END and n not in fixed]
-    avail = None if budget is None else max(int(budget) - sum(sizes[n] for n in fixed), 0)
+    stays = set(renamed("optimal_bytes", "fixed", fixed, "stays", stays))
+    names = [n for n in dict.fromkeys(trace) if n != END and n not in stays]
+    avail = None if budget is None else max(int(budget) - sum(sizes[n] for n in stays), 0)
     u = Universe(names, sizes, avail)
     full = u.full
     reach: List[float] = [INF] * full
@@ -62,7 +65,7 @@ def optimal_bytes(
                 reach = [min(reach)] + [INF] * (full - 1)
             after_call.append(int(min(reach)))
             continue
-        if event in fixed:
+        if event in stays:
             continue
         i = u.index[event]
         bit, size = 1 << i, u.sizes[i]

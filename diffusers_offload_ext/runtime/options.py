@@ -243,7 +243,7 @@ AUTO_BUDGET_STEP = 256 << 20
 def resolve_budget(
     options: OffloadOptions,
     device: torch.device,
-    fixed: Mapping[str, int],
+    stays: Mapping[str, int],
     held_bytes: int,
 ) -> Tuple[Optional[int], bool]:
     """The memory budget in force for the residency manager, checked against what must stay on the device.
@@ -251,7 +251,7 @@ def resolve_budget(
     Args:
         options (`OffloadOptions`): The options in force.
         device (`torch.device`): The execution device.
-        fixed (`Mapping[str, int]`): Bytes of each component that always stays on the device (excluded ones, and the
+        stays (`Mapping[str, int]`): Bytes of each component that never leaves the device (excluded ones, and the
             class's round trips).
         held_bytes (`int`): Bytes of the pipeline's weights already on `device` (free memory does not count them).
 
@@ -270,25 +270,25 @@ def resolve_budget(
             f"({format_size(total)}). Pass a smaller reserve, for example `{RESERVE}='3GiB'`, or an explicit "
             f"`{BUDGET}`."
         )
-    fixed_bytes = sum(fixed.values())
+    stays_bytes = sum(stays.values())
     if options.memory_budget is not None:
         budget = options.memory_budget
-        if fixed_bytes > budget:
+        if stays_bytes > budget:
             raise ValueError(
-                f"The components that never leave the device ({sorted(fixed)!r}, {fixed_bytes} bytes = "
-                f"{format_size(fixed_bytes)}) alone exceed `{BUDGET}`={budget!r} ({format_size(budget)}). Pass a "
-                f"`{BUDGET}` of at least {fixed_bytes} bytes, or leave some of them out of `{EXCLUDE}`."
+                f"The components that never leave the device ({sorted(stays)!r}, {stays_bytes} bytes = "
+                f"{format_size(stays_bytes)}) alone exceed `{BUDGET}`={budget!r} ({format_size(budget)}). Pass a "
+                f"`{BUDGET}` of at least {stays_bytes} bytes, or leave some of them out of `{EXCLUDE}`."
             )
         return budget, False
     free = memory.free_bytes(device)
     if free is None:
         return None, True
     budget = max((free + held_bytes - reserve) // AUTO_BUDGET_STEP * AUTO_BUDGET_STEP, 0)
-    if fixed_bytes > budget:
+    if stays_bytes > budget:
         logger.warning(
-            f"The components that never leave the device ({sorted(fixed)!r}, {format_size(fixed_bytes)}) exceed the "
+            f"The components that never leave the device ({sorted(stays)!r}, {format_size(stays_bytes)}) exceed the "
             f"automatic memory budget ({format_size(budget)}: free memory on {device} plus what the pipeline holds "
             f"there, minus `{RESERVE}`={format_size(reserve)}). Every other component will run alone."
         )
-        budget = fixed_bytes
+        budget = stays_bytes
     return budget, True
