@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from reference import Reference
@@ -29,7 +31,11 @@ def enable_kwargs(exclude, keep):
 
 
 class Session:
-    """A pipeline with a recorder and a spy, offload enabled with the given options."""
+    """A pipeline with a call recorder and a move oracle, offload enabled with the given options.
+
+    The oracle of the moves: with the plugin, the transfer seam (every move a `RecordingTransfer` sees, whatever the
+    transfer does underneath); with the patched diffusers, which has no transfer layer, a spy on `Module.to`.
+    """
 
     def __init__(self, pipe, exclude=(), keep=(), ledger=None):
         self.pipe = pipe
@@ -37,16 +43,38 @@ class Session:
         self.spy = MoveSpy(pipe)
         self.exclude, self.keep = exclude, keep
         self.calls = 0
-        with self.spy:
-            pipe.enable_model_cpu_offload(**enable_kwargs(exclude, keep))
+        self.recordings, self.marks = None, []
+        with contextlib.ExitStack() as stack:
+            if ledger is not None:
+                from diffusers_offload_ext.testing.recording import record_transfers
+
+                self.recordings = stack.enter_context(record_transfers())
+            with self.spy:
+                pipe.enable_model_cpu_offload(**enable_kwargs(exclude, keep))
         self.ledger = ledger(pipe) if ledger is not None else None
 
     def call(self, run):
+        self.marks.append(self._recorded())
         with self.spy, calling(self.spy, self.calls):
             result = run(self.pipe)
         self.calls += 1
         self.recorder.next_call()
         return result
+
+    def _recorded(self):
+        return sum(len(r.calls) for r in self.recordings or ())
+
+    def seen_moves(self):
+        """(component, direction, nbytes, call_index) of every move, from the oracle."""
+        if self.recordings is None:
+            return self.spied_moves()
+        names = {id(m): n for n, m in modules_of(self.pipe).items()}
+        calls = [call for recording in self.recordings for call in recording.calls]
+        moves = []
+        for position, call in enumerate(calls):
+            index = sum(1 for mark in self.marks if mark <= position) - 1
+            moves.append((names[id(call.module)], call.op, call.moved.nbytes, index if index >= 0 else None))
+        return moves
 
     def expected(self):
         """The reference's moves for the traces the recorder saw: (component, direction, nbytes, call_index)."""
@@ -54,6 +82,16 @@ class Session:
         for index, trace in enumerate(self.recorder.calls[: self.calls]):
             reference.call(trace, index)
         return reference
+
+    def on_device(self, accelerator=None):
+        """Components on the execution device: read from the tensors on the simulated accelerator; otherwise as
+        `doe.offload_status` says (plugin) or as the `.to()` calls left them (patched)."""
+        modules = modules_of(self.pipe)
+        if accelerator is not None:
+            return {n for n, m in modules.items() if accelerator.where(m) == "device"}
+        if self.recordings is not None:
+            return resident(self.pipe)
+        return {n for n, on in self.spy.placement.items() if on}
 
     def spied_moves(self):
         sizes = {n: nbytes(m) for n, m in modules_of(self.pipe).items()}

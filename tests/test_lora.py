@@ -30,7 +30,7 @@ def lora_state_dict(unet):
 
 
 @pytest.mark.parametrize("keep", [True, ()])
-def test_load_lora_weights_keeps_options(installed, keep):
+def test_load_lora_weights_keeps_options(installed, accelerator, keep):
     name = "sd15"
     pipe = tiny.build(name)
     session = Session(pipe, exclude=("unet",), keep=keep)
@@ -44,5 +44,5 @@ def test_load_lora_weights_keeps_options(installed, keep):
     assert pipe._exclude_from_cpu_offload == ["safety_checker", "unet"]
     after = session.call(lambda p: tiny.run(p, name, seed=0))
     assert max_abs_diff(after, before) > 1e-4, "the LoRA did not change the image"
-    assert not any(n == "unet" and c is not None for n, _, _, c in session.spied_moves())
-    assert {n for n, on in session.spy.placement.items() if on} == {"unet"}
+    assert not any(n == "unet" and c is not None for n, _, _, c in session.seen_moves())
+    assert session.on_device(accelerator) == {"unet"}
