@@ -1,1 +1,2 @@
-"""Test utilities shipped with the package (importable without diffusers)."""
+"""Test and demo helpers (the tiny pipelines, the simulated accelerator, recording transfers); the runtime never
+imports this package."""

@@ -1,4 +1,4 @@
-"""Tiny, offline, deterministic diffusers pipelines for the test suite.
+"""Tiny, offline, deterministic diffusers pipelines for the test suite, the demo and the model-data recorder.
 
 Every pipeline is assembled from randomly initialised components (40k-150k
 parameters per pipeline in all), so building one takes a few tens of milliseconds
