@@ -1,0 +1,83 @@
+"""Element counts of a model class built from its config on the `meta` device (no weights allocated or read): what
+the recorder ships, and what a spec or `--component` with a config that was not recorded needs. The only module of
+the planner that imports torch, diffusers or transformers."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+from typing import Mapping, Optional, Tuple
+
+from .errors import MissingPackage, PlanError
+from .sizes import ITEMSIZE
+
+LIBRARIES = ("diffusers", "transformers")
+
+
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def model_class(class_name: str, library: Optional[str] = None) -> Tuple[type, str]:
+    """The class `class_name` from `library` (or from diffusers, then transformers) and the library it came from.
+
+    Raises:
+        `MissingPackage`: the library that has (or may have) it is not installed.
+        `PlanError`: no installed library has it.
+    """
+    libraries = [library] if library else list(LIBRARIES)
+    for lib in libraries:
+        if lib not in LIBRARIES:
+            raise PlanError(f"Class {class_name!r}: unknown library {lib!r}; known: {', '.join(LIBRARIES)}.")
+        if not _installed(lib):
+            continue
+        module = importlib.import_module(lib)
+        if hasattr(module, class_name):
+            return getattr(module, class_name), lib
+    missing = [lib for lib in libraries if not _installed(lib)]
+    if missing:
+        raise MissingPackage(missing[0], f"building {class_name} on the meta device to count its parameters")
+    versions = ", ".join(f"{lib} {importlib.import_module(lib).__version__}" for lib in libraries)
+    hint = " (Wan models need diffusers>=0.33)" if class_name.startswith(("Wan", "AutoencoderKLWan")) else ""
+    raise PlanError(f"Class {class_name!r} is not in the installed {versions}{hint}.")
+
+
+def count_elements(class_name: str, library: Optional[str], config: Mapping) -> dict:
+    """`{"class", "library", "parameters", "floating", "other": {dtype: elements}}` of the model built on meta."""
+    counts = dict(_count(class_name, library, json.dumps(config, sort_keys=True)))
+    counts["other"] = dict(counts["other"])
+    return counts
+
+
+@functools.lru_cache(maxsize=64)
+def _count(class_name: str, library: Optional[str], config_json: str) -> tuple:
+    import torch
+
+    cls, lib = model_class(class_name, library)
+    config = {k: v for k, v in json.loads(config_json).items() if not k.startswith("_")}
+    try:
+        with torch.device("meta"):
+            model = cls.from_config(config) if lib == "diffusers" else cls(cls.config_class(**config))
+    except Exception as error:
+        raise PlanError(f"Cannot build {class_name} from its config on the meta device: {error}") from error
+    seen, floating, other = set(), 0, {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if tensor.is_floating_point():
+            floating += tensor.numel()
+        else:
+            dtype = str(tensor.dtype).replace("torch.", "")
+            if dtype not in ITEMSIZE:
+                raise PlanError(f"{class_name} has a tensor of dtype {dtype}, which the planner cannot size.")
+            other[dtype] = other.get(dtype, 0) + tensor.numel()
+    parameters = sum(p.numel() for p in model.parameters())
+    return (
+        ("class", class_name),
+        ("library", lib),
+        ("parameters", parameters),
+        ("floating", floating),
+        ("other", dict(sorted(other.items()))),
+    )

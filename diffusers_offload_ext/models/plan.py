@@ -1,0 +1,210 @@
+"""The planner behind `diffusers-offload plan`: each strategy's policy replayed over the model's call trace with
+its real component sizes, what that means per generation and for the card, and the call to recommend."""
+
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Optional, Sequence, Union
+
+from ..units import format_size
+from .bounds import MAX_GENERATIONS, MAX_STEPS, parse_bytes, parse_count, parse_rate
+from .generations import Generations, replay_generations
+from .model import Model, load_model
+from .strategies import STRATEGIES, Strategy, all_strategies, largest_offloaded
+
+DEFAULT_VRAM = "24GiB"
+#: Left free for activations when checking what fits (the residency manager's default `memory_reserve`).
+DEFAULT_RESERVE = "3GiB"
+#: Assumed, not measured: pageable host memory over PCIe 4.0 x16 (diffusers' offload copies from pageable memory).
+DEFAULT_BANDWIDTH = "12GB/s"
+BANDWIDTH_NOTE = (
+    "assumed, not measured (default: pageable host memory over PCIe 4.0 x16, about 12 GB/s each way); seconds = "
+    "bytes host-to-device / h2d bandwidth + bytes device-to-host / d2h bandwidth"
+)
+
+
+class Request(NamedTuple):
+    """A plan request, checked and bounded."""
+
+    vram: int
+    reserve: int
+    steps: int
+    generations: int
+    preview: bool
+    h2d_rate: int
+    d2h_rate: int
+
+
+def check_request(*, vram, reserve, steps, generations, preview, h2d_bandwidth, d2h_bandwidth) -> Request:
+    """Every argument parsed and bounded, before any work (`PlanError` names the first bad one)."""
+    return Request(
+        vram=parse_bytes(vram, argument="--vram"),
+        reserve=parse_bytes(reserve, argument="--reserve", allow_zero=True),
+        steps=parse_count(steps, argument="--steps", maximum=MAX_STEPS),
+        generations=parse_count(generations, argument="--generations", maximum=MAX_GENERATIONS),
+        preview=bool(preview),
+        h2d_rate=parse_rate(h2d_bandwidth, argument="--h2d-bandwidth"),
+        d2h_rate=parse_rate(d2h_bandwidth, argument="--d2h-bandwidth"),
+    )
+
+
+def plan(
+    model: str,
+    *,
+    vram: Union[str, int] = DEFAULT_VRAM,
+    reserve: Union[str, int] = DEFAULT_RESERVE,
+    steps: Union[int, str] = 28,
+    generations: Union[int, str] = 10,
+    preview: bool = False,
+    h2d_bandwidth: Union[str, int] = DEFAULT_BANDWIDTH,
+    d2h_bandwidth: Union[str, int] = DEFAULT_BANDWIDTH,
+    dtypes: Sequence[str] = (),
+    components: Sequence[str] = (),
+) -> dict:
+    """Predicted transfers of each offload strategy for `model` on a card, and the call to use.
+
+    Args:
+        model (`str`): A shipped model name (`diffusers-offload plan --list`) or a spec path.
+        vram (`str` or `int`, defaults to `"24GiB"`): The card's memory.
+        reserve (`str` or `int`, defaults to `"3GiB"`): Memory left for activations when checking what fits.
+        steps (`int`, defaults to 28): Denoising steps per generation (1 to `MAX_STEPS`).
+        generations (`int`, defaults to 10): Pipeline calls in a row (1 to `MAX_GENERATIONS`); the first
+            `REPLAYED_GENERATIONS` are replayed move by move, the rest extrapolated from their period.
+        preview (`bool`, defaults to `False`): A step callback decodes a preview with the VAE every step.
+        h2d_bandwidth, d2h_bandwidth (`str` or `int`, defaults to `"12GB/s"`): ASSUMED bandwidths that price the
+            bytes in seconds, host-to-device and device-to-host.
+        dtypes (`Sequence[str]`, *optional*): `COMPONENT=DTYPE` overrides (`denoiser=fp8` for every denoiser).
+        components (`Sequence[str]`, *optional*): `NAME=CONFIG.json` / `NAME=CLASS:CONFIG.json` replacements.
+
+    Returns:
+        `dict`: JSON-ready; see `docs` of `diffusers-offload plan --json`.
+
+    Raises:
+        `PlanError`: bad input. `MissingPackage`: a component to build on meta needs a missing package.
+    """
+    request = check_request(
+        vram=vram,
+        reserve=reserve,
+        steps=steps,
+        generations=generations,
+        preview=preview,
+        h2d_bandwidth=h2d_bandwidth,
+        d2h_bandwidth=d2h_bandwidth,
+    )
+    loaded = load_model(model, dtypes, components)
+    call = loaded.call_trace(request.steps, request.preview)
+    budget = request.vram - request.reserve
+    entries = {}
+    for name, strategy in all_strategies(loaded.layout, loaded.sizes, loaded.denoisers, budget).items():
+        moved = replay_generations(
+            strategy.policy, call, loaded.sizes, request.generations, zero_copy=strategy.zero_copy
+        )
+        entries[name] = strategy_entry(strategy, moved, request)
+    notes = _unavailable(entries, loaded, request)
+    recommended = recommend(entries, loaded, request, notes)
+    return _result(loaded, request, call, entries, recommended, notes)
+
+
+def strategy_entry(strategy: Strategy, moved: Generations, request: Request) -> dict:
+    """One strategy's JSON entry. Field names say whether they include the setup (moves made once when offload is
+    enabled): add `setup_bytes` and `first_generation_bytes_excluding_setup` for the first generation's start."""
+    g = moved.generations
+
+    def seconds(m) -> float:
+        return m.h2d / request.h2d_rate + m.d2h / request.d2h_rate
+
+    all_bytes = moved.setup.nbytes + moved.total.nbytes
+    later = (moved.total.nbytes - moved.first.nbytes) / (g - 1) if g > 1 else None
+    return {
+        "label": strategy.label,
+        "call": strategy.call,
+        "available": True,
+        "setup_bytes": moved.setup.nbytes,
+        "first_generation_bytes_excluding_setup": moved.first.nbytes,
+        "later_generation_bytes_mean": later,
+        "all_generations_bytes_including_setup": all_bytes,
+        "mean_bytes_per_generation_including_setup": all_bytes / g,
+        "h2d_bytes_including_setup": moved.setup.h2d + moved.total.h2d,
+        "d2h_bytes_including_setup": moved.setup.d2h + moved.total.d2h,
+        "onloads_per_generation": moved.total.onloads / g,
+        "seconds_at_assumed_bandwidth": {
+            "setup": seconds(moved.setup),
+            "first_generation_excluding_setup": seconds(moved.first),
+            "mean_per_generation_including_setup": (seconds(moved.setup) + seconds(moved.total)) / g,
+        },
+        "peak_bytes": moved.peak,
+        "fits_with_reserve": moved.peak + request.reserve <= request.vram,
+        "fits_without_reserve": moved.peak <= request.vram,
+        "replay": {"replayed_generations": moved.replayed, "extrapolated": moved.extrapolated, "period": moved.period},
+        **({"budget_bytes": strategy.budget} if strategy.budget is not None else {}),
+    }
+
+
+def _unavailable(entries: Dict[str, dict], loaded: Model, request: Request) -> List[str]:
+    """Mark the residency manager unavailable when the reserve leaves nothing, and not recommendable when its
+    budget cannot hold the largest component; return why."""
+    budget = request.vram - request.reserve
+    if budget <= 0:
+        reason = (
+            f"--reserve {format_size(request.reserve)} leaves nothing of --vram {format_size(request.vram)} for "
+            "weights, so there is no memory_budget to recommend"
+        )
+        entries["residency"] = {"label": "budget", "call": None, "available": False, "reason": reason}
+        return [f"budget not evaluated: {reason}."]
+    largest = largest_offloaded(loaded.layout, loaded.sizes)
+    limit = entries["residency"]["budget_bytes"]
+    if largest is None or limit >= loaded.sizes[largest]:
+        return []
+    reason = (
+        f"memory_budget {format_size(limit)} (--vram minus --reserve) cannot hold {largest} "
+        f"({format_size(loaded.sizes[largest])}): the manager would load it alone, over its budget"
+    )
+    entries["residency"].update(recommendable=False, reason=reason)
+    return [f"budget not recommended: {reason}."]
+
+
+def recommend(entries: Dict[str, dict], loaded: Model, request: Request, notes: List[str]) -> Optional[dict]:
+    """The strategy that moves the fewest bytes among those whose peak fits with the reserve (else without it);
+    `None`, with a note saying why, when none fits the card."""
+    usable = [(n, e) for n, e in entries.items() if e["available"] and e.get("recommendable", True)]
+    fit = [(n, e) for n, e in usable if e["fits_with_reserve"]]
+    pool = fit or [(n, e) for n, e in usable if e["fits_without_reserve"]]
+    if not pool:
+        largest = largest_offloaded(loaded.layout, loaded.sizes)
+        detail = f" ({largest} alone is {format_size(loaded.sizes[largest])})" if largest else ""
+        notes.append(
+            f"No strategy's peak fits in the card's {format_size(request.vram)}{detail}: use a smaller dtype "
+            "(--dtype denoiser=fp8), pipe.enable_group_offload(...) or pipe.enable_sequential_cpu_offload()."
+        )
+        return None
+    name, entry = min(
+        pool, key=lambda item: (item[1]["all_generations_bytes_including_setup"], STRATEGIES.index(item[0]))
+    )
+    return {"strategy": name, "label": entry["label"], "call": entry["call"], "with_reserve": bool(fit)}
+
+
+def _result(loaded: Model, request: Request, call, entries, recommended, notes) -> dict:
+    return {
+        "model": loaded.name,
+        "title": loaded.title,
+        "pipeline": loaded.pipeline,
+        "units": "bytes; bandwidths in bytes per second; seconds priced at the assumed bandwidths",
+        "vram_bytes": request.vram,
+        "reserve_bytes": request.reserve,
+        "steps": request.steps,
+        "generations": request.generations,
+        "preview": request.preview,
+        "bandwidth": {
+            "assumed": True,
+            "h2d_bytes_per_s": request.h2d_rate,
+            "d2h_bytes_per_s": request.d2h_rate,
+            "note": BANDWIDTH_NOTE,
+        },
+        "components": loaded.components,
+        "layout": loaded.layout.to_dict(),
+        "chain": list(loaded.layout.arrange().chain),
+        "call_trace": call,
+        "trace_source": f"generated for {request.steps} steps from {loaded.trace_source}",
+        "strategies": entries,
+        "recommended": recommended,
+        "notes": notes,
+    }

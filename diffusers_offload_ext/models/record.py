@@ -1,0 +1,161 @@
+"""Regenerate the shipped model data (`data/recorded/<model>.json`) from the specs: element counts from a build of
+every component on the meta device, the layout and call-trace template from two calls of the model's tiny pipeline
+under `doe.trace`. Needs torch, diffusers (>= 0.33 for Wan) and transformers.
+
+    python -m diffusers_offload_ext.models.record            # rewrite every model's data
+    python -m diffusers_offload_ext.models.record --check    # compare only; exit 1 when something differs
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+from importlib.metadata import version
+from typing import Dict, List, Optional, Sequence
+
+from ..layout import PipelineLayout
+from .bounds import MAX_STEPS
+from .meta import count_elements
+from .recorded import FORMAT, RECORDED_DIR, VERSION, config_key
+from .schedule import SCHEDULER, flow_match_timesteps
+from .specs import load_spec, shipped_models
+from .traces import VARIANTS, call_trace, template_from_uses
+
+#: Steps of the recorded calls (enough for both of Wan 2.2's experts to run).
+RECORD_STEPS = 4
+#: The scheduler options under which `schedule.flow_match_timesteps` holds.
+_UNSUPPORTED = ("use_dynamic_shifting", "shift_terminal", "use_karras_sigmas", "use_exponential_sigmas",
+                "use_beta_sigmas", "invert_sigmas")  # fmt: skip
+
+
+def component_counts(spec: dict) -> Dict[str, dict]:
+    """Element counts of every component of `spec`, built on the meta device, with its config key."""
+    counts = {}
+    for name, entry in spec["components"].items():
+        counted = count_elements(entry["class"], entry.get("library"), entry["config"])
+        counted["config_key"] = config_key(entry["class"], entry["config"])
+        counts[name] = counted
+    return counts
+
+
+def record_uses(tiny, name: str, steps: int, preview: bool, calls: int = 1) -> List[list]:
+    """`(component, phase, step)` of each use in `calls` calls of tiny pipeline `name` (no offload) under
+    `doe.trace`."""
+    import torch
+
+    from ..observe.tracing import trace
+
+    pipe = tiny.build(name)
+    kwargs = tiny.call_kwargs(name, preview=preview)
+    kwargs["num_inference_steps"] = steps
+    with torch.no_grad(), trace(pipe) as recorded:
+        for _ in range(calls):
+            pipe(**kwargs)
+    return [[(u.component, u.phase, u.step) for u in call.uses] for call in recorded.calls]
+
+
+def experts_of(pipe) -> Optional[dict]:
+    """The two experts of a pipeline with a `boundary_ratio` (Wan 2.2), and the schedule that splits the steps."""
+    ratio = pipe.config.get("boundary_ratio")
+    if ratio is None:
+        return None
+    scheduler = pipe.scheduler
+    options = [o for o in _UNSUPPORTED if scheduler.config.get(o)]
+    if type(scheduler).__name__ != SCHEDULER or options:
+        raise RuntimeError(f"{type(scheduler).__name__} {options}: only a static-shift {SCHEDULER} is modelled.")
+    schedule = {
+        "scheduler": SCHEDULER,
+        "shift": float(scheduler.config["shift"]),
+        "num_train_timesteps": int(scheduler.config["num_train_timesteps"]),
+    }
+    return {"boundary_ratio": float(ratio), "high_noise": "transformer", "low_noise": "transformer_2",
+            "schedule": schedule}  # fmt: skip
+
+
+def check_schedule(scheduler, experts: dict, max_steps: int = MAX_STEPS) -> None:
+    """Raise unless `schedule.flow_match_timesteps` equals `scheduler`'s timesteps for 1 to `max_steps` steps."""
+    scheduler = copy.deepcopy(scheduler)
+    shift, n = experts["schedule"]["shift"], experts["schedule"]["num_train_timesteps"]
+    for steps in range(1, max_steps + 1):
+        scheduler.set_timesteps(steps)
+        if [float(t) for t in scheduler.timesteps] != flow_match_timesteps(steps, shift=shift, num_train_timesteps=n):
+            raise RuntimeError(f"The modelled timesteps differ from {type(scheduler).__name__}'s at {steps} steps.")
+
+
+def record_pipeline(tiny, name: str) -> dict:
+    """Layout and call-trace template of tiny pipeline `name`, checked against what was recorded."""
+    pipe = tiny.build(name)
+    experts = experts_of(pipe)
+    if experts is not None:
+        check_schedule(pipe.scheduler, experts)
+    template = {"recorded_steps": RECORD_STEPS, "experts": experts}
+    for variant in VARIANTS:
+        first, second = record_uses(tiny, name, RECORD_STEPS, variant == "preview", calls=2)
+        if first != second:
+            raise RuntimeError(f"{name}: two calls ran different component traces.")
+        template[variant] = template_from_uses(first, RECORD_STEPS, experts)
+        if call_trace(template, RECORD_STEPS, variant == "preview") != [use[0] for use in first]:
+            raise RuntimeError(f"{name}: the template does not regenerate the recorded call.")
+    return {"pipeline": type(pipe).__name__, "layout": PipelineLayout.from_pipeline(pipe).to_dict(), "trace": template}
+
+
+def record_model(model: str, pipelines: Optional[dict] = None) -> dict:
+    """The recorded data of shipped model `model` (`pipelines` caches `record_pipeline` by tiny name)."""
+    from ..testing import tiny
+
+    spec = load_spec(model)
+    pipelines = {} if pipelines is None else pipelines
+    if spec["tiny"] not in pipelines:
+        ok, reason = tiny.available(spec["tiny"])
+        if not ok:
+            raise RuntimeError(f"{model}: cannot record: {reason}")
+        pipelines[spec["tiny"]] = record_pipeline(tiny, spec["tiny"])
+    recorded = pipelines[spec["tiny"]]
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": model,
+        "recorded_with": {p: version(p) for p in ("torch", "diffusers", "transformers")},
+        "tiny": spec["tiny"],
+        "pipeline": recorded["pipeline"],
+        "layout": recorded["layout"],
+        "components": component_counts(spec),
+        "trace": recorded["trace"],
+    }
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="Regenerate (or --check) the shipped model data.")
+    parser.add_argument("--models", nargs="*", default=None, help="models to record (default: every shipped one)")
+    parser.add_argument("--check", action="store_true", help="compare with the shipped data; write nothing")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    pipelines: dict = {}
+    differs = []
+    for model in args.models or shipped_models():
+        data = record_model(model, pipelines)
+        path = os.path.join(RECORDED_DIR, f"{model}.json")
+        if args.check:
+            with open(path, encoding="utf-8") as f:
+                shipped = json.load(f)
+            if {k: v for k, v in shipped.items() if k != "recorded_with"} != {
+                k: v for k, v in data.items() if k != "recorded_with"
+            }:
+                differs.append(model)
+            continue
+        os.makedirs(RECORDED_DIR, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+    if differs:
+        print(f"differs from a live recording: {', '.join(differs)}", file=sys.stderr)
+    return 1 if differs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
