@@ -1,0 +1,208 @@
+"""`diffusers-offload plan`: predicted transfers of each offload strategy for a real model on a card, from the
+shipped model data (no weights, no pipeline run, no transformers needed)."""
+
+from __future__ import annotations
+
+from typing import List
+
+from ..models.bounds import MAX_GENERATIONS, MAX_STEPS, REPLAYED_GENERATIONS, format_rate
+from ..models.plan import DEFAULT_BANDWIDTH, DEFAULT_RESERVE, DEFAULT_VRAM
+from . import output
+
+HELP = "predict the bytes each offload strategy moves per generation, and the call to use"
+ABOUT_SIZES = "Sizes in GiB (2^30 bytes)."
+
+
+def add_parser(commands, common) -> None:
+    p = commands.add_parser("plan", parents=[common], help=HELP, description=HELP + ".")
+    p.add_argument("--model", help="a shipped model (see --list) or the path of a model spec JSON")
+    p.add_argument("--list", action="store_true", help="list the shipped models")
+    p.add_argument(
+        "--vram", default=DEFAULT_VRAM, help=f"the card's memory, e.g. 24GiB, 80GB (default: {DEFAULT_VRAM})"
+    )
+    p.add_argument(
+        "--reserve",
+        default=DEFAULT_RESERVE,
+        help=f"memory kept free for activations when checking what fits (default: {DEFAULT_RESERVE})",
+    )
+    p.add_argument("--steps", default="28", help=f"denoising steps per generation, 1 to {MAX_STEPS:,} (default: 28)")
+    p.add_argument(
+        "--generations",
+        default="10",
+        help=f"pipeline calls in a row, 1 to {MAX_GENERATIONS:,} (default: 10); the first {REPLAYED_GENERATIONS} are "
+        "replayed move by move, later ones extrapolated from the period their bytes settle into",
+    )
+    p.add_argument("--preview", action="store_true", help="a step callback decodes a preview with the VAE every step")
+    add_bandwidth_arguments(p, "the bytes")
+    p.add_argument(
+        "--dtype",
+        action="append",
+        metavar="COMPONENT=DTYPE",
+        help="weights dtype of a component (or of every 'denoiser'), e.g. transformer=fp8; repeatable",
+    )
+    p.add_argument(
+        "--component",
+        action="append",
+        metavar="NAME=[CLASS:]CONFIG.json",
+        help="replace a component by a diffusers/transformers class and its config.json (built on the meta device; "
+        "a transformers class needs transformers installed); repeatable",
+    )
+    p.set_defaults(handler=run)
+
+
+def add_bandwidth_arguments(parser, what: str) -> None:
+    """`--bandwidth` and the two `--h2d-bandwidth` / `--d2h-bandwidth` it stands for (all assumed, not measured)."""
+    parser.add_argument(
+        "--bandwidth",
+        help=f"shorthand for both --h2d-bandwidth and --d2h-bandwidth (default: {DEFAULT_BANDWIDTH} each)",
+    )
+    for direction, words in (("h2d", "host-to-device"), ("d2h", "device-to-host")):
+        parser.add_argument(
+            f"--{direction}-bandwidth",
+            help=f"ASSUMED {words} bandwidth that prices {what} in seconds, e.g. 12GB/s, 25GiB/s (default: "
+            f"{DEFAULT_BANDWIDTH}, pageable memory over PCIe 4.0 x16; nothing here measures it)",
+        )
+
+
+def bandwidths(args) -> dict:
+    """The two bandwidth texts of `args` (`--bandwidth` fills the ones not given)."""
+    both = args.bandwidth or DEFAULT_BANDWIDTH
+    return {"h2d_bandwidth": args.h2d_bandwidth or both, "d2h_bandwidth": args.d2h_bandwidth or both}
+
+
+def run(args) -> int:
+    from ..models import plan, shipped_models
+    from ..models.errors import PlanError
+    from ..models.plan import check_request
+
+    if args.list:
+        return _list(args)
+    request = dict(
+        vram=args.vram,
+        reserve=args.reserve,
+        steps=args.steps,
+        generations=args.generations,
+        preview=args.preview,
+        **bandwidths(args),
+    )
+    check_request(**request)  # bad numbers are reported before a missing --model
+    if not args.model:
+        raise PlanError("plan needs --model (one of: " + ", ".join(shipped_models()) + ", or a spec path).", "--model")
+    result = plan(args.model, dtypes=args.dtype or (), components=args.component or (), **request)
+    if args.json:
+        output.emit_json(result)
+    else:
+        output.write(render(result, output.width()))
+    return 0
+
+
+def _list(args) -> int:
+    from ..models.specs import load_spec, shipped_models
+
+    models = {}
+    for name in shipped_models():
+        spec = load_spec(name)
+        models[name] = {"title": spec.get("title"), "pipeline": spec.get("pipeline"), "repo": spec.get("repo")}
+    if args.json:
+        output.emit_json({"models": models})
+    else:
+        columns = output.width()
+        rows = [[n, e["title"] or "", e["pipeline"] or ""] for n, e in models.items()]
+        output.write(output.table(["model", "title", "pipeline"], rows, columns, [False] * 3))
+    return 0
+
+
+def render(result: dict, columns: int) -> List[str]:
+    """The plan as text lines that fit in `columns`."""
+    title = result["title"] or result["model"]
+    preview = "a preview decoded every step" if result["preview"] else "no preview"
+    lines = output.wrap(
+        f"{title} ({result['pipeline']}): {result['steps']} steps x {result['generations']} generations, {preview}. "
+        f"Card {output.gib(result['vram_bytes'])} GiB, {output.gib(result['reserve_bytes'])} GiB kept free for "
+        f"activations. {ABOUT_SIZES}",
+        columns,
+    )
+    lines += output.heading("Components (exact sizes from the shipped model data; no weights read):", columns)
+    rows = [
+        [name, c["class"], c["dtype"], f"{c['parameters']:,}", output.gib(c["nbytes"])]
+        for name, c in result["components"].items()
+    ]
+    headers = ["component", "class", "dtype", "parameters", "GiB"]
+    lines += output.table(headers, rows, columns, [False, False, False, True, True])
+    lines += output.heading("Predicted transfers, GiB over the bus (legend below):", columns)
+    lines += _strategy_table(result, columns)
+    lines += [""] + _legend(result, columns) + [""] + _verdict(result, columns)
+    return lines
+
+
+def _strategy_table(result: dict, columns: int) -> List[str]:
+    headers = ["strategy", "setup", "first", "later", "mean", "s/gen*", "peak", "fits"]
+    rows = []
+    for entry in result["strategies"].values():
+        if not entry["available"]:
+            rows.append([entry["label"], "-", "-", "-", "-", "-", "-", "n/a"])
+            continue
+        fits = "yes" if entry["fits_with_reserve"] else "tight" if entry["fits_without_reserve"] else "no"
+        rows.append(
+            [
+                entry["label"],
+                output.gib(entry["setup_bytes"]),
+                output.gib(entry["first_generation_bytes_excluding_setup"]),
+                output.gib(entry["later_generation_bytes_mean"]),
+                output.gib(entry["mean_bytes_per_generation_including_setup"]),
+                f"{entry['seconds_at_assumed_bandwidth']['mean_per_generation_including_setup']:,.2f}",
+                output.gib(entry["peak_bytes"]),
+                fits,
+            ]
+        )
+    return output.table(headers, rows, columns, [False] + [True] * 6 + [False])
+
+
+def _legend(result: dict, columns: int) -> List[str]:
+    label = max(len(e["label"]) for e in result["strategies"].values())
+    lines = []
+    for entry in result["strategies"].values():
+        first = f"{entry['label'].ljust(label)}  "
+        if entry["call"]:
+            lines += output.wrap_call(entry["call"], columns, first, output.hanging(columns, label + 6))
+        else:
+            lines += output.wrap(entry["reason"], columns, " " * (label + 2), first)
+    bandwidth = result["bandwidth"]
+    h2d, d2h = format_rate(bandwidth["h2d_bytes_per_s"]), format_rate(bandwidth["d2h_bytes_per_s"])
+    texts = [
+        "setup: moved once when offload is enabled. first: the first generation, setup excluded. later: the mean of "
+        "each later generation. mean: the setup and every generation, divided by the generations.",
+        f"* s/gen: the mean in seconds, priced at ASSUMED bandwidths of {h2d} host-to-device and {d2h} "
+        "device-to-host (not measured; set --h2d-bandwidth and --d2h-bandwidth).",
+        "peak: most weights on the device at once. fits: yes = peak + reserve <= card; tight = peak <= card; "
+        "no = peak > card.",
+        f"Call trace: {len(result['call_trace'])} component uses per generation, {result['trace_source']}.",
+    ]
+    replay = next((e["replay"] for e in result["strategies"].values() if e["available"]), None)
+    if replay and replay["extrapolated"]:
+        texts.append(
+            f"Generations after the first {replay['replayed_generations']} are extrapolated from the period of the "
+            "replayed ones (see --help)."
+        )
+    for text in texts:
+        lines += output.wrap(text, columns, "  ")
+    return lines
+
+
+def _verdict(result: dict, columns: int) -> List[str]:
+    lines = []
+    for note in result["notes"]:
+        lines += output.wrap(f"Note: {note}", columns, "  ")
+    recommended = result["recommended"]
+    if recommended is None:
+        return lines
+    lines += output.wrap_call(recommended["call"], columns, f"Recommended ({recommended['label']}): ", "  ")
+    if not recommended["with_reserve"]:
+        reserve = output.gib(result["reserve_bytes"])
+        lines += output.wrap(
+            f"(its peak fits only without the {reserve} GiB kept free for activations: expect it to be tight)",
+            columns,
+            "  ",
+            "  ",
+        )
+    return lines
