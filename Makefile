@@ -15,14 +15,14 @@ PYTEST := -p no:cacheprovider -q
 	rm -rf .venv
 	$(PYTHON) -m venv .venv
 	.venv/bin/pip install $(PIP_QUIET) $(TORCH)
-	.venv/bin/pip install $(PIP_QUIET) -e ".[test,report]" $(NEW_STACK)
+	.venv/bin/pip install $(PIP_QUIET) -e ".[test]" $(NEW_STACK)
 	touch $@
 
 .venv-old/.installed: setup.py
 	rm -rf .venv-old
 	$(PYTHON) -m venv .venv-old
 	.venv-old/bin/pip install $(PIP_QUIET) $(TORCH)
-	.venv-old/bin/pip install $(PIP_QUIET) -e ".[test,report]" $(OLD_STACK)
+	.venv-old/bin/pip install $(PIP_QUIET) -e ".[test]" $(OLD_STACK)
 	touch $@
 
 # diffusers v0.42.1 built from its source distribution with patches/ applied; this package is NOT installed.
