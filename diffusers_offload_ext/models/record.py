@@ -1,6 +1,7 @@
 """Regenerate the shipped model data (`data/recorded/<model>.json`) from the specs: element counts from a build of
 every component on the meta device, the layout and call-trace template from two calls of the model's tiny pipeline
-under `doe.trace`. Needs torch, diffusers (>= 0.33 for Wan) and transformers.
+with stock model offload, observing its offload hooks (`record_uses`). Needs torch, diffusers (>= 0.33 for Wan) and
+transformers.
 
     python -m diffusers_offload_ext.models.record            # rewrite every model's data
     python -m diffusers_offload_ext.models.record --check    # compare only; exit 1 when something differs
@@ -16,7 +17,8 @@ import sys
 from importlib.metadata import version
 from typing import Dict, List, Optional, Sequence
 
-from ..layout import PipelineLayout
+from ..calls import CallTracker, StepBar
+from ..layout import PipelineLayout, modules_of
 from .bounds import MAX_STEPS
 from .meta import count_elements
 from .recorded import FORMAT, RECORDED_DIR, VERSION, config_key
@@ -42,19 +44,45 @@ def component_counts(spec: dict) -> Dict[str, dict]:
 
 
 def record_uses(tiny, name: str, steps: int, preview: bool, calls: int = 1) -> List[list]:
-    """`(component, phase, step)` of each use in `calls` calls of tiny pipeline `name` (no offload) under
-    `doe.trace`."""
-    import torch
+    """`(component, phase, step)` of each use of an offloaded component in `calls` calls of tiny pipeline `name`.
 
-    from ..observe.tracing import trace
+    A use is what the policies see: one run of a component's offload hook (stock diffusers' model offload, on the
+    CPU). `doe.trace` counts module entries instead, which repeat a component (a VAE decode enters `post_quant_conv`
+    and `decoder`), and the residency manager's first-call prediction would see those repeats.
+    """
+    import torch
 
     pipe = tiny.build(name)
     kwargs = tiny.call_kwargs(name, preview=preview)
     kwargs["num_inference_steps"] = steps
-    with torch.no_grad(), trace(pipe) as recorded:
-        for _ in range(calls):
+    tracker, uses, recorded = CallTracker(), [], []
+    bar = pipe.progress_bar
+    object.__setattr__(pipe, "progress_bar", lambda iterable=None, total=None: StepBar(
+        bar(iterable=iterable, total=total), tracker, total))  # fmt: skip
+    pipe.enable_model_cpu_offload(device="cpu")
+    for _ in range(calls):
+        _observe_hooks(pipe, tracker, uses)  # stock re-creates its hooks at the end of every call
+        tracker.begin()
+        with torch.no_grad():
             pipe(**kwargs)
-    return [[(u.component, u.phase, u.step) for u in call.uses] for call in recorded.calls]
+        tracker.end()
+        recorded.append(list(uses))
+        uses.clear()
+    return recorded
+
+
+def _observe_hooks(pipe, tracker: CallTracker, uses: list) -> None:
+    """Make each component's offload hook append `(component, phase, step)` to `uses` when it runs."""
+    for component, module in modules_of(pipe.components).items():
+        hook = getattr(module, "_hf_hook", None)
+        if hook is None:
+            continue
+
+        def pre_forward(module, *args, _component=component, _original=hook.pre_forward, **kwargs):
+            uses.append((_component, tracker.phase, tracker.step))
+            return _original(module, *args, **kwargs)
+
+        hook.pre_forward = pre_forward
 
 
 def experts_of(pipe) -> Optional[dict]:

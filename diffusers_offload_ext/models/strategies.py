@@ -58,10 +58,11 @@ def chain_strategies(layout: PipelineLayout, denoisers: Sequence[str]) -> Dict[s
     }
 
 
-def residency_strategy(layout: PipelineLayout, sizes: Mapping[str, int], budget: int) -> Strategy:
-    """The residency manager within `budget` bytes (rounded down to 0.1 GiB), kept between generations, with
-    zero-copy eviction."""
-    text, nbytes = budget_option(budget)
+def residency_strategy(
+    layout: PipelineLayout, sizes: Mapping[str, int], budget: int, budget_text: Optional[str] = None
+) -> Strategy:
+    """The residency manager within `budget` bytes (written `budget_text` in the call, e.g. `'"21.0GiB"'`), kept
+    between generations, with zero-copy eviction."""
     arranged = layout.arrange()
     policy = ResidencyPolicy(
         order=layout.order,
@@ -69,12 +70,12 @@ def residency_strategy(layout: PipelineLayout, sizes: Mapping[str, int], budget:
         hooked=arranged.hooked,
         sizes=sizes,
         round_trip=arranged.round_trip,
-        budget=nbytes,
+        budget=budget,
         keep_between=True,
         zero_copy=True,
     )
-    call = CALL.format(f'memory_budget="{text}", keep_on_device_between_generations=True')
-    return Strategy("residency", LABELS["residency"], call, policy, True, nbytes)
+    call = CALL.format(f"memory_budget={budget_text or budget}, keep_on_device_between_generations=True")
+    return Strategy("residency", LABELS["residency"], call, policy, True, budget)
 
 
 def largest_offloaded(layout: PipelineLayout, sizes: Mapping[str, int]) -> Optional[str]:
@@ -86,8 +87,10 @@ def largest_offloaded(layout: PipelineLayout, sizes: Mapping[str, int]) -> Optio
 def all_strategies(
     layout: PipelineLayout, sizes: Mapping[str, int], denoisers: Sequence[str], budget: Optional[int]
 ) -> Dict[str, Strategy]:
-    """Every strategy with a fresh policy; the residency manager only when `budget` leaves room for weights."""
+    """Every strategy with a fresh policy; the residency manager (its budget rounded down to 0.1 GiB) only when
+    `budget` leaves room for weights."""
     strategies = chain_strategies(layout, denoisers)
     if budget is not None and budget > 0:
-        strategies["residency"] = residency_strategy(layout, sizes, budget)
+        text, nbytes = budget_option(budget)
+        strategies["residency"] = residency_strategy(layout, sizes, nbytes, f'"{text}"')
     return strategies
