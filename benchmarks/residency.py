@@ -1,7 +1,8 @@
 """Residency benchmark: bytes over PCIe per offload policy, for real model sizes under memory budgets.
 
-It records the component-call traces of the tiny test pipelines (the real diffusers pipeline classes, so the real
-call order) on the CPU, then replays each trace with the sizes of the real models under budgets of 8 to 80 GiB:
+It generates each model's component-call trace from the shipped model data (`diffusers_offload_ext/models/data/`:
+the layout and call-trace template recorded from the tiny test pipelines, the real diffusers pipeline classes, so the
+real call order), then replays it with the sizes of the real models under budgets of 8 to 80 GiB:
 
 - stock: diffusers' chain policy (`enable_model_cpu_offload()`);
 - exclude: `exclude_from_offload=[the denoiser(s)]` (infeasible when the pinned denoisers do not fit);
@@ -13,7 +14,7 @@ call order) on the CPU, then replays each trace with the sizes of the real model
 Bytes are those that cross the bus: host-to-device copies plus device-to-host copies (stock, exclude and keep copy
 every eviction back; the manager's zero-copy evictions are free, as they are for the optimum).
 
-Regenerate `docs/benchmarks.md` (under two minutes on two CPU cores):
+Regenerate `docs/benchmarks.md` (about a minute on two CPU cores; no pipeline runs, no torch needed):
 
     PYTHONPATH=. python benchmarks/residency.py --write docs/benchmarks.md
 """
@@ -21,23 +22,14 @@ Regenerate `docs/benchmarks.md` (under two minutes on two CPU cores):
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
-
-import diffusers_offload_ext as doe
-from diffusers_offload_ext._policy import END, ChainPolicy
-from diffusers_offload_ext._residency import ResidencyPolicy, optimal_bytes, simulate
-
-try:  # the tiny pipelines moved into the package; older trees have them in tests/
-    from diffusers_offload_ext import tiny
-except ImportError:  # pragma: no cover
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    import tiny_pipelines as tiny
+from diffusers_offload_ext.constants import END
+from diffusers_offload_ext.models import load_model
+from diffusers_offload_ext.models.strategies import chain_strategies, residency_strategy
+from diffusers_offload_ext.policies import optimal_bytes, replay_trace
 
 GiB = 1 << 30
 BUDGETS_GIB = (8, 12, 16, 24, 48, 80)
@@ -48,7 +40,15 @@ BANDWIDTH_TEXT = "12 GB/s"
 CALLS = 10
 BF16, FP16, FP32 = 2, 2, 4
 
-#: Real models: tiny pipeline, name, denoising steps, denoisers, and per component (parameters, bytes per parameter).
+#: The shipped model data each benchmark model's layout and call trace come from.
+MODEL_DATA = {
+    "flux": "flux-dev",
+    "sdxl": "sdxl",
+    "sd3": "sd3.5-large",
+    "wan21": "wan2.1-t2v-14b",
+    "wan22": "wan2.2-t2v-a14b",
+}
+#: Real models: name, denoising steps, denoisers, and per component (parameters, bytes per parameter).
 #: Parameter counts as published (model cards, papers, the checkpoints' sizes), rounded to three digits.
 MODELS = {
     "flux": (
@@ -116,34 +116,8 @@ WORKLOADS = (
 
 
 def sizes_of(model: str) -> Dict[str, int]:
+    """Published parameter counts times the dtype's bytes (the shipped model data's exact sizes differ a little)."""
     return {name: int(params * width) for name, (params, width) in MODELS[model][3].items()}
-
-
-# -- traces ---------------------------------------------------------------------------------------------------------------
-def record_call(name: str, steps: int, preview: bool) -> Tuple[Tuple[str, ...], dict]:
-    """One call of the tiny pipeline `name` with model offload on: its component trace and the chain layout."""
-    pipe = tiny.build(name)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.enable_model_cpu_offload(device="cpu")
-    kwargs = tiny.call_kwargs(name, seed=0, preview=preview, pipe=pipe)
-    kwargs["num_inference_steps"] = steps
-    pipe(**kwargs)
-    state = pipe._offload_ext_state
-    policy = state.policy
-    layout = dict(order=policy.order, chain=policy.chain, hooked=tuple(policy.hooked), bounce=tuple(policy.bounce))
-    return state.traces[-1], layout
-
-
-def check_repeats(name: str, preview: bool, calls: int = 3) -> None:
-    """Consecutive calls of one pipeline run the same trace (so ten calls are the recorded call ten times)."""
-    pipe = tiny.build(name)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.enable_model_cpu_offload(device="cpu")
-    for seed in range(calls):
-        tiny.run(pipe, name, seed=seed, preview=preview)
-    traces = pipe._offload_ext_state.traces
-    if len(set(traces)) != 1:
-        raise RuntimeError(f"{name}: consecutive calls ran different traces: {traces}")
 
 
 def workload_trace(call: Sequence[str], calls: int) -> List[str]:
@@ -155,49 +129,26 @@ class Row(dict):
     pass
 
 
-def evaluate(model: str, layout: dict, trace: List[str], calls: int, budget: int) -> Row:
-    sizes = sizes_of(model)
-    denoisers = MODELS[model][2]
-    order, chain, hooked, bounce = layout["order"], layout["chain"], layout["hooked"], layout["bounce"]
+def evaluate(model: str, trace: List[str], calls: int, budget: int, sizes: Dict[str, int]) -> Row:
+    loaded = load_model(MODEL_DATA[model])
+    layout = loaded.layout
     row = Row(budget=budget)
+    for name, strategy in chain_strategies(layout, MODELS[model][2]).items():
+        key = {"stock": "stock", "exclude_denoiser": "exclude", "keep_during_generation": "keep"}[name]
+        replayed = replay_trace(strategy.policy, trace, sizes)
+        row[key] = (replayed.copied, replayed.peak > budget)
 
-    stock = simulate(ChainPolicy(order=order, chain=chain, hooked=hooked, bounce=bounce), trace, sizes)
-    row["stock"] = (stock.copied, stock.peak > budget)
+    manager = residency_strategy(layout, sizes, budget)
+    replayed = replay_trace(manager.policy, trace, sizes, zero_copy=True)
+    row["manager"] = (replayed.copied, replayed.peak > max(budget, max(sizes.values())))
+    row["manager_calls"] = replayed.per_call
 
-    pinned_chain = [n for n in chain if n not in denoisers]
-    exclude = simulate(
-        ChainPolicy(
-            order=order,
-            chain=pinned_chain,
-            hooked=[n for n in hooked if n not in denoisers],
-            pinned=denoisers,
-            bounce=bounce,
-        ),
-        trace,
-        sizes,
-    )
-    row["exclude"] = (exclude.copied, exclude.peak > budget)
-
-    keep = simulate(ChainPolicy(order=order, chain=chain, hooked=hooked, bounce=bounce, kept=hooked), trace, sizes)
-    row["keep"] = (keep.copied, keep.peak > budget)
-
-    manager = simulate(
-        ResidencyPolicy(
-            order=order, chain=chain, hooked=hooked, sizes=sizes, bounce=bounce, budget=budget, keep_between=True
-        ),
-        trace,
-        sizes,
-        zero_copy=True,
-    )
-    row["manager"] = (manager.copied, manager.peak > max(budget, max(sizes.values())))
-    row["manager_calls"] = manager.per_call
-
-    optimum = optimal_bytes(trace, sizes, budget, fixed=bounce, keep_between=True)
+    optimum = optimal_bytes(trace, sizes, budget, fixed=layout.arrange().round_trip, keep_between=True)
     row["optimum"] = optimum.total
     row["optimum_first"] = optimum.after_call[0]
     if calls > 1:
         row["optimum_steady"] = optimum.after_call[-1] - optimum.after_call[-2]
-    row["oversize"] = [n for n in hooked if sizes[n] > budget]
+    row["oversize"] = [n for n in layout.arrange().hooked if sizes[n] > budget]
     return row
 
 
@@ -265,10 +216,13 @@ def build_report(results, elapsed: float) -> str:
         "",
         "## Traces and sizes",
         "",
-        "Traces are recorded from the tiny test pipelines (`diffusers_offload_ext/tiny.py`: the real diffusers "
-        "pipeline classes with tiny random components) with offload on, at the step counts below; a *preview* "
-        "decodes the latents with the VAE in `callback_on_step_end` at every step. Consecutive calls of a pipeline "
-        "run the same trace (checked), so ten calls are the recorded call ten times.",
+        "Traces are generated, at the step counts below, from the call-trace templates of the shipped model data "
+        "(`diffusers_offload_ext/models/data/recorded/`). `python -m diffusers_offload_ext.models.record` records "
+        "them from the tiny test pipelines (`diffusers_offload_ext/testing/tiny.py`: the real diffusers pipeline "
+        "classes with tiny random components) as their offload hooks run, and checks that consecutive calls run the "
+        "same trace, so ten calls are one call ten times; `tests/test_model_data.py` checks the generated traces "
+        "against live recordings. A *preview* decodes the latents with the VAE in `callback_on_step_end` at every "
+        "step.",
         "",
         "Component sizes are parameter counts as published (model cards, papers, checkpoint sizes) times the usual "
         "dtype's bytes; buffers are ignored (they are a few MB). Assumptions:",
@@ -371,7 +325,7 @@ def build_report(results, elapsed: float) -> str:
         "synthetic random traces and sizes (`tests/test_residency_policy.py`) both happen; on these workloads "
         "they do not.",
         "",
-        f"Recording and replay took {elapsed:.0f} s.",
+        f"Replay took {elapsed:.0f} s.",
         "",
         "## Results",
         "",
@@ -383,43 +337,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", metavar="PATH", help="write the Markdown report there (e.g. docs/benchmarks.md)")
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument(
-        "--traces",
-        metavar="PATH",
-        help="JSON file of recorded traces: read if it exists, else written after recording",
-    )
     args = parser.parse_args(argv)
 
-    from diffusers.utils import logging as diffusers_logging
-
-    diffusers_logging.set_verbosity_error()
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    doe.install()
     started = time.time()
-    recorded = {}
-    if args.traces and os.path.exists(args.traces):
-        with open(args.traces, encoding="utf-8") as handle:
-            recorded = json.load(handle)
     results = []
     for model in args.models:
-        steps = MODELS[model][1]
-        for preview in (False, True):
-            key = f"{model}/{'preview' if preview else 'plain'}/{steps}"
-            if key not in recorded:
-                check_repeats(model, preview)
-                recorded[key] = record_call(model, steps, preview)
-            call, layout = recorded[key]
-            call, layout = tuple(call), {k: tuple(v) for k, v in layout.items()}
-            for workload, calls, with_preview in WORKLOADS:
-                if with_preview != preview:
-                    continue
-                trace = workload_trace(call, calls)
-                rows = [evaluate(model, layout, trace, calls, b * GiB) for b in BUDGETS_GIB]
-                results.append((model, workload, calls, rows))
-                print(f"{MODELS[model][0]:36} {workload:20} events/call={len(call)}", file=sys.stderr)
-    if args.traces:
-        with open(args.traces, "w", encoding="utf-8") as handle:
-            json.dump(recorded, handle)
+        steps, sizes = MODELS[model][1], sizes_of(model)
+        # Plain workloads first, then those with a preview (the report's order).
+        for workload, calls, preview in sorted(WORKLOADS, key=lambda w: w[2]):
+            call = load_model(MODEL_DATA[model]).call_trace(steps, preview)
+            trace = workload_trace(call, calls)
+            rows = [evaluate(model, trace, calls, b * GiB, sizes) for b in BUDGETS_GIB]
+            results.append((model, workload, calls, rows))
+            print(f"{MODELS[model][0]:36} {workload:20} events/call={len(call)}", file=sys.stderr)
     report = build_report(results, time.time() - started)
     if args.write:
         with open(args.write, "w", encoding="utf-8") as handle:

@@ -1,6 +1,6 @@
 """The "Transfer numbers" table of patches/README.md: one pipeline call of the tiny pipelines under the plugin, as
-the transfer ledger records it, priced with the real models' component sizes (built on the meta device from the
-shipped configs). The moves are the same with the patch (the shared test suite checks it).
+the transfer ledger records it, priced with the real models' exact component sizes (the shipped model data). The
+moves are the same with the patch (the shared test suite checks it).
 
     python benchmarks/transfer_numbers.py
 """
@@ -8,14 +8,16 @@ shipped configs). The moves are the same with the patch (the shared test suite c
 import torch
 
 import diffusers_offload_ext as doe
-from diffusers_offload_ext import _models, tiny
+from diffusers_offload_ext.models import load_model
+from diffusers_offload_ext.testing import tiny
 
 CASES = [
     ("Flux-dev (bf16), 28 steps, preview decoded every step", "flux", "flux-dev", 28, True, "transformer"),
     ("Flux-dev (bf16), 28 steps, no callback", "flux", "flux-dev", 28, False, "transformer"),
     ("SDXL (fp16), 30 steps, no callback", "sdxl", "sdxl", 30, False, "unet"),
 ]
-BANDWIDTH = 12e9  # bytes/s, pageable host memory over PCIe 4.0 x16
+#: ASSUMED, not measured: pageable host memory over PCIe 4.0 x16, both directions.
+BANDWIDTH = 12e9
 
 
 def ledger_of_one_call(name, steps, preview, **options):
@@ -32,10 +34,10 @@ def ledger_of_one_call(name, steps, preview, **options):
 def main():
     doe.install()
     torch.set_num_threads(1)
-    print("| scenario | options | onloads | offloads | bytes moved per call | seconds at 12 GB/s |")
+    print("| scenario | options | onloads | offloads | bytes moved per call | seconds at an assumed 12 GB/s |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for label, name, model, steps, preview, denoiser in CASES:
-        sizes = {n: s["nbytes"] for n, s in _models.component_sizes(_models.load_spec(model)).items()}
+        sizes = load_model(model).sizes
         for options_label, options in [
             ("stock", {}),
             ("`keep_on_device_during_generation=True`", {"keep_on_device_during_generation": True}),
