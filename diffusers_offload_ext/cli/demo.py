@@ -4,7 +4,7 @@ ledger, and what the same moves cost for the real FLUX.1-dev (sizes from the shi
 from __future__ import annotations
 
 import importlib.util
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Tuple
 
 from ..constants import COPY, GiB, KiB, ONLOAD
 from ..models.bounds import format_rate, parse_count, parse_rate

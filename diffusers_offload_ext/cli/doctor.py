@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 from . import output
 
 HELP = "versions, accelerators, whether diffusers has the patch, and what install() would change"
-PACKAGES = ("torch", "diffusers", "accelerate", "transformers", "diffusers-offload-ext", "rich", "matplotlib")
+PACKAGES = ("torch", "diffusers", "accelerate", "transformers", "rich", "matplotlib")
 PATCH_ARGUMENTS = ("exclude_from_offload", "keep_on_device_during_generation")
 OVERRIDE = "enable_model_cpu_offload"
 
@@ -36,7 +36,11 @@ def run(args) -> int:
 def doctor() -> dict:
     """The environment report (JSON-ready)."""
     return {
-        "versions": {"python": platform.python_version(), **{p: _version(p) for p in PACKAGES}},
+        "versions": {
+            "python": platform.python_version(),
+            **{p: _version(p) for p in PACKAGES},
+            "diffusers-offload-ext": _this_package(),
+        },
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "host_memory": _host_memory(),
@@ -52,6 +56,13 @@ def _version(package: str) -> Optional[str]:
         return version(package)
     except PackageNotFoundError:
         return None
+
+
+def _this_package() -> str:
+    """The version of the `diffusers_offload_ext` this process imports, and where it comes from."""
+    import diffusers_offload_ext
+
+    return f"{diffusers_offload_ext.__version__} ({os.path.dirname(os.path.abspath(diffusers_offload_ext.__file__))})"
 
 
 def _host_memory() -> Optional[dict]:
