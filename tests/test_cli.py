@@ -185,18 +185,40 @@ def test_many_generations_are_extrapolated_exactly_from_their_period():
     from diffusers_offload_ext.models import load_model
     from diffusers_offload_ext.models.strategies import all_strategies
 
-    for model, vram, preview in [("flux-dev", "30GiB", True), ("sd3.5-large", "24GiB", False), ("sdxl", "8GiB", True)]:
-        result = plan(model, vram=vram, steps=6, generations=40, preview=preview, reserve="0")
+    periods = set()
+    cases = [("flux-dev", "30GiB", True), ("sd3.5-large", "24GiB", False), ("wan2.2-t2v-a14b", "60GiB", True)]
+    for model, vram, preview in cases:
+        # 41: the extrapolated generations end inside a period of two (Wan 2.2's experts alternate).
+        result = plan(model, vram=vram, steps=6, generations=41, preview=preview, reserve="0")
         loaded = load_model(model)
         call = loaded.call_trace(6, preview)
         budget = result["vram_bytes"]
         for name, strategy in all_strategies(loaded.layout, loaded.sizes, loaded.denoisers, budget).items():
             entry = result["strategies"][name]
             assert entry["replay"]["extrapolated"] and entry["replay"]["period"] is not None
-            full = doe.replay_trace(strategy.policy, (call + [END]) * 40, loaded.sizes, zero_copy=strategy.zero_copy)
+            periods.add(entry["replay"]["period"])
+            full = doe.replay_trace(strategy.policy, (call + [END]) * 41, loaded.sizes, zero_copy=strategy.zero_copy)
             assert entry["all_generations_bytes_including_setup"] == full.copied, (model, name)
             assert entry["h2d_bytes_including_setup"] == full.onloaded, (model, name)
             assert entry["peak_bytes"] == full.peak
+    assert periods == {1, 2}
+
+
+def test_period_detection_and_extrapolation():
+    from diffusers_offload_ext.models.generations import Moved, extrapolate, find_period
+
+    calls = [Moved(9, 0, 1), Moved(5, 0, 1)] + [Moved(1, 0, 1), Moved(2, 0, 1), Moved(3, 0, 1)] * 3
+    assert find_period(calls) == 3 and find_period(calls[:-1]) is None and find_period([calls[0]] * 3) == 1
+    # Continues the cycle in order: 1, 2, 3, 1, 2 for five more.
+    assert extrapolate(calls, 3, 5) == Moved(9, 0, 5)
+    # Without a period: the mean of the last four, in whole numbers.
+    assert extrapolate(calls, None, 4) == Moved(1 + 2 + 3 + 3, 0, 4)
+
+
+def test_the_recommended_budget_is_rounded_down():
+    result = plan("flux-dev", vram="23.96GiB", reserve="0", dtypes=["denoiser=fp8"])
+    entry = result["strategies"]["residency"]
+    assert 'memory_budget="23.9GiB"' in entry["call"] and entry["budget_bytes"] <= result["vram_bytes"]
 
 
 def test_plan_table_output(capsys):
