@@ -76,7 +76,11 @@ def plan(
         components (`Sequence[str]`, *optional*): `NAME=CONFIG.json` / `NAME=CLASS:CONFIG.json` replacements.
 
     Returns:
-        `dict`: JSON-ready; see `docs` of `diffusers-offload plan --json`.
+        `dict`: JSON-ready, sizes in bytes: the model, card and request, `bandwidth` (assumed rates), `components`
+        (class, dtype, parameters, bytes), `layout`, `chain`, one generation's `call_trace`, and per strategy in
+        `strategies` the call, `setup_bytes` (once, at enable) and fields whose names say whether they include it,
+        seconds at the assumed bandwidths, `peak_bytes` and whether it fits; then `recommended` (or `None`) and
+        `notes` saying why a strategy is not recommended.
 
     Raises:
         `PlanError`: bad input. `MissingPackage`: a component to build on meta needs a missing package.
