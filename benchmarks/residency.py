@@ -217,7 +217,7 @@ def build_report(results, elapsed: float) -> str:
         "## Traces and sizes",
         "",
         "Traces are generated, at the step counts below, from the call-trace templates of the shipped model data "
-        "(`diffusers_offload_ext/models/data/recorded/`). `python -m diffusers_offload_ext.models.record` records "
+        "(`diffusers_offload_ext/models/data/recorded/`). `python -m diffusers_offload_ext.testing.record_model_data` records "
         "them from the tiny test pipelines (`diffusers_offload_ext/testing/tiny.py`: the real diffusers pipeline "
         "classes with tiny random components) as their offload hooks run, and checks that consecutive calls run the "
         "same trace, so ten calls are one call ten times; `tests/test_model_data.py` checks the generated traces "

@@ -11,7 +11,7 @@ import tiny_pipelines as tiny  # noqa: E402
 
 from diffusers_offload_ext.constants import END  # noqa: E402
 from diffusers_offload_ext.layout import PipelineLayout  # noqa: E402
-from diffusers_offload_ext.models import record  # noqa: E402
+from diffusers_offload_ext.testing import record_model_data as record  # noqa: E402
 from diffusers_offload_ext.models.recorded import config_key, load_recorded, recorded_models  # noqa: E402
 from diffusers_offload_ext.models.schedule import experts_per_step  # noqa: E402
 from diffusers_offload_ext.models.specs import load_spec, shipped_models  # noqa: E402

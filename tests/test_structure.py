@@ -83,7 +83,7 @@ RULES = {
     "policies": {"torch", "runtime", "transfer", "observe", "cli", "models", "testing"},
     "transfer": {"runtime", "policies", "observe", "cli", "models", "testing"},
     "runtime": {"cli", "models", "testing"},
-    "observe": {"cli", "models", "testing", "transfer"},
+    "observe": {"cli", "models", "testing"},
     "models": {"runtime", "transfer", "observe", "testing"},
     "calls.py": {"torch", "runtime", "policies", "transfer", "observe"},
     "constants.py": {"torch", "runtime", "policies", "transfer", "observe"},

@@ -1,5 +1,5 @@
 """The shipped model data recorded from the specs (`data/recorded/<model>.json`): the pipeline layout, the exact
-element counts of every component and the call-trace template. Reading and checking it needs no torch; `record.py`
+element counts of every component and the call-trace template. Reading and checking it needs no torch; `testing/record_model_data.py`
 writes it."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ VERSION = 1
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 SPEC_DIR = os.path.join(DATA_DIR, "specs")
 RECORDED_DIR = os.path.join(DATA_DIR, "recorded")
-REGENERATE = "python -m diffusers_offload_ext.models.record"
+REGENERATE = "python -m diffusers_offload_ext.testing.record_model_data"
 
 
 def config_key(class_name: str, config: Mapping) -> str:

@@ -3,8 +3,8 @@ every component on the meta device, the layout and call-trace template from two 
 with stock model offload, observing its offload hooks (`record_uses`). Needs torch, diffusers (>= 0.33 for Wan) and
 transformers.
 
-    python -m diffusers_offload_ext.models.record            # rewrite every model's data
-    python -m diffusers_offload_ext.models.record --check    # compare only; exit 1 when something differs
+    python -m diffusers_offload_ext.testing.record_model_data            # rewrite every model's data
+    python -m diffusers_offload_ext.testing.record_model_data --check    # compare only; exit 1 when something differs
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import Dict, List, Optional, Sequence
 
 from ..calls import CallTracker, StepBar
 from ..layout import PipelineLayout, modules_of
-from .bounds import MAX_STEPS
-from .meta import count_elements
-from .recorded import FORMAT, RECORDED_DIR, VERSION, config_key
-from .schedule import SCHEDULER, flow_match_timesteps
-from .specs import load_spec, shipped_models
-from .traces import VARIANTS, call_trace, template_from_uses
+from ..models.bounds import MAX_STEPS
+from ..models.meta import count_elements
+from ..models.recorded import FORMAT, RECORDED_DIR, VERSION, config_key
+from ..models.schedule import SCHEDULER, flow_match_timesteps
+from ..models.specs import load_spec, shipped_models
+from ..models.traces import VARIANTS, call_trace, template_from_uses
 
 #: Steps of the recorded calls (enough for both of Wan 2.2's experts to run).
 RECORD_STEPS = 4
@@ -132,7 +132,7 @@ def record_pipeline(tiny, name: str) -> dict:
 
 def record_model(model: str, pipelines: Optional[dict] = None) -> dict:
     """The recorded data of shipped model `model` (`pipelines` caches `record_pipeline` by tiny name)."""
-    from ..testing import tiny
+    from . import tiny
 
     spec = load_spec(model)
     pipelines = {} if pipelines is None else pipelines
