@@ -6,7 +6,6 @@ where tensors are), so that it can be run against it and fail there."""
 import copy
 import signal
 
-import diffusers
 import pytest
 import tiny_pipelines as tiny
 import torch

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the residency manager is not in the upstream patch")
 
-from diffusers_offload_ext.calls import CallTracker
 from diffusers_offload_ext.constants import END, OFFLOAD, ONLOAD
 from diffusers_offload_ext.policies import (
     ChainPolicy,
