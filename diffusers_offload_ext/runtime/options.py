@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Iterable, Mapping
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from diffusers.utils import logging
