@@ -15,7 +15,7 @@ from typing import AbstractSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 from ..calls import CallTracker
 from ..constants import OFFLOAD, ONLOAD
-from .base import Decision, Facts, Overflow, Policy
+from .base import NOTHING, Decision, Facts, Overflow, Policy
 from .choice import exact_choice, greedy_choice
 from .chain import renamed
 from .masks import Universe
@@ -118,12 +118,12 @@ class ResidencyPolicy(Policy):
             self._version = calls.version
             self._uses_since_arm = 0
             self._start_plan()
-        return Decision()
+        return NOTHING
 
     def on_use(self, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
         self._advance(name)
         if name in resident or name not in self.hooked:
-            return Decision()
+            return NOTHING
         others = [n for n in self.offloaded if n in resident and n != name]
         self._measure(facts, [name] + others)
         need = self.sizes[name]

@@ -170,6 +170,7 @@ def arm(pipe, arming: Arming) -> None:
         session.transfer = None
     if session.transfer is None:
         session.transfer = make_transfer(arming.device)
+    session.readable = session.transfer.readable
     _adopt(session, pipe, arming)
     session.policy = _policy(session, arming)
     _end_or_arm(session)

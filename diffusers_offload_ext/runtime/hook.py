@@ -31,6 +31,7 @@ class DeferredCpuOffload(CpuOffload):
         super().__init__(execution_device=execution_device, prev_module_hook=prev_module_hook)
         self.session = session
         self.component = component
+        self._use = session.use
 
     def init_hook(self, module):
         # Attaching the hook moves nothing: the session already placed the module.
@@ -38,17 +39,22 @@ class DeferredCpuOffload(CpuOffload):
 
     @_compiler_disable
     def pre_forward(self, module, *args, **kwargs):
-        session = self.session
         running = sharing.running
-        if running and running[-1] is not session:
+        holder = None
+        if running and running[-1] is not self.session:
             # A module shared with another pipeline: the pipeline whose call is running moves and records it.
             holder = sharing.running_holder(module)
-            if holder is not None:
-                session = holder
-        session.use(self.component if session is self.session else session.name_of(module))
+        if holder is None or holder is self.session:
+            self._use(self.component)
+        else:
+            holder.use(holder.name_of(module))
         # diffusers' `apply_forward_hook` (VAE encode/decode) calls `pre_forward(module)` with no inputs.
         if not args and not kwargs:
             return args, kwargs
+        if in_place(args, self.execution_device, self.session.readable) and in_place(
+            kwargs.values(), self.execution_device, self.session.readable
+        ):
+            return args, kwargs  # what `send_to_device` would return, without walking the inputs again
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
 
@@ -61,6 +67,22 @@ class OffloadHandle(UserCpuOffloadHook):
 
     def remove(self) -> None:
         remove_hook_from_module(self.model)
+
+
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def in_place(values, device: torch.device, readable: bool) -> bool:
+    """Whether every input is a tensor already on `device`, or a plain scalar: sending them would change nothing.
+    Where the tensors cannot tell (the plain CPU: host and device are the same memory), a CPU tensor is in place."""
+    for value in values:
+        if type(value) is torch.Tensor:
+            where = value.device
+            if where != device and (readable or where.type != device.type):
+                return False
+        elif not isinstance(value, _SCALARS):
+            return False
+    return True
 
 
 def ours(module: torch.nn.Module):

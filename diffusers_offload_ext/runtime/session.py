@@ -13,7 +13,7 @@ from diffusers.utils import logging
 from ..calls import CallTracker
 from ..constants import ONLOAD
 from ..observe.ledger import TransferLedger, TransferRecord
-from ..policies import Decision, Facts, Policy
+from ..policies import NOTHING, Decision, Facts, Policy
 from ..transfer import MIXED, ON_DEVICE, ON_HOST, Transfer
 from ..units import format_size
 from . import sharing
@@ -74,6 +74,8 @@ class Session:
         self.hooks: Dict[str, object] = {}
         self.resident: Set[str] = set()
         self.active = False
+        #: Whether the tensors say where they are (the transfer's `readable`, kept here for the hot path).
+        self.readable = False
         self.budget: Optional[int] = None
         self.auto_budget = False
         self.saved_exclusion = None
@@ -92,11 +94,13 @@ class Session:
     # -- the hot path: a hooked component is about to run ---------------------------------------------------------
     def use(self, name: str) -> None:
         entry = self.entries[name]
-        if entry.dirty or (self.transfer.readable and self.transfer.is_resident(entry) is not (name in self.resident)):
+        if entry.dirty or (self.readable and self.transfer.is_resident(entry) is not (name in self.resident)):
             self.recheck(name)
-        self.calls.use(name)
+        calls = self.calls
+        if calls.depth:
+            calls.current.append(name)
         decision = self.policy.on_use(name, self.resident, self.facts)
-        if decision.moves or decision.overflow is not None:
+        if decision is not NOTHING:
             self.carry_out(decision)
 
     def request_offload(self, name: str) -> None:
