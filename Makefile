@@ -9,7 +9,7 @@ DIFFUSERS_SDIST_VERSION := 0.42.1
 BLACK_PATHS := setup.py diffusers_offload_ext tests $(wildcard benchmarks)
 PYTEST := -p no:cacheprovider -q
 
-.PHONY: demo test test-new test-old test-patched lint clean
+.PHONY: demo test test-serial test-new test-old test-patched lint clean
 
 .venv/.installed: setup.py
 	rm -rf .venv
@@ -50,7 +50,13 @@ test-old: .venv-old/.installed
 test-patched: .venv-patched/.installed
 	.venv-patched/bin/pytest $(PYTEST) tests --offload-impl=patched
 
-test: lint test-new test-old test-patched
+# The stacks run side by side (each pytest uses one thread; CI has 2 cores), each one's output printed whole when
+# it is done. `make test-serial` runs them one after the other.
+JOBS ?= 2
+test: lint
+	$(MAKE) --no-print-directory -j$(JOBS) --output-sync=target test-new test-old test-patched
+
+test-serial: lint test-new test-old test-patched
 
 clean:
 	rm -rf .venv .venv-old .venv-patched build
