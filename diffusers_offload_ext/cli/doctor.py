@@ -114,13 +114,29 @@ def _install_changes() -> dict:
     return {
         "replace_on_DiffusionPipeline": sorted(METHODS),
         "wrap": "__call__ of every DiffusionPipeline subclass, imported already or later",
-        "not_reached": overriding_pipelines(),
+        "own_enable_model_cpu_offload": _overrides(),
     }
+
+
+def _overrides() -> Dict[str, str]:
+    """Each class that defines its own `enable_model_cpu_offload`: how `install()` gives it the options, or why not."""
+    import diffusers
+
+    from ..runtime.overrides import support
+
+    found = {}
+    for name in overriding_pipelines():
+        cls = getattr(diffusers, name, None)
+        if cls is None:
+            continue
+        supported, reason = support(cls)
+        found[name] = ("adapted: " if supported else "rejects the options: ") + reason
+    return found
 
 
 def overriding_pipelines() -> List[str]:
     """Pipeline classes of the installed diffusers that define their own `enable_model_cpu_offload` (so
-    `install()`'s options do not reach them), found by reading diffusers' source (nothing is imported)."""
+    `install()` adapts them, or they reject the options), found by reading diffusers' source."""
     spec = importlib.util.find_spec("diffusers")
     if spec is None or not spec.submodule_search_locations:
         return []
@@ -176,8 +192,8 @@ def render(report: dict, columns: int) -> List[str]:
     changes = report["install_would"]
     rows.append(["install() replaces", "DiffusionPipeline." + ", ".join(changes["replace_on_DiffusionPipeline"])])
     rows.append(["install() wraps", changes["wrap"]])
-    rows.append(["not reached by install()", (", ".join(changes["not_reached"]) or "none")
-                 + " (these classes define their own enable_model_cpu_offload)"])  # fmt: skip
+    for name, how in changes["own_enable_model_cpu_offload"].items():
+        rows.append([name, how])
     demo = report["demo"]
     rows.append(["demo", "ready" if demo["ready"] else f"needs {demo['missing']}: {demo['install']}"])
     return _key_values(rows, columns)

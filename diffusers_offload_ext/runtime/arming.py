@@ -16,6 +16,7 @@ from ..transfer import ELSEWHERE, MIXED, ON_DEVICE, BOOK, make_transfer, memory
 from . import sharing
 from .hook import DeferredCpuOffload, OffloadHandle, ours
 from .options import OffloadOptions, resolve_budget, resolve_device, resolve_options
+from .overrides import layout_of, mirror_exclusion, quiet_sub_pipelines, restore_mirrored
 from .session import Session, Sizes
 
 #: Attribute of the pipeline (in its `__dict__`) that holds its `Session`.
@@ -61,7 +62,7 @@ def ensure_session(pipe) -> Session:
     return session
 
 
-def raise_like_stock(pipe) -> None:
+def raise_like_stock(pipe, layout: PipelineLayout) -> None:
     """The checks stock's `enable_model_cpu_offload` makes before changing anything, with stock's errors."""
     if hasattr(pipe, "_maybe_raise_error_if_group_offload_active"):
         pipe._maybe_raise_error_if_group_offload_active(raise_error=True)
@@ -77,7 +78,7 @@ def raise_like_stock(pipe) -> None:
             "`enable_model_cpu_offload() isn't allowed. You can call `reset_device_map()` first and then call "
             "`enable_model_cpu_offload()`."
         )
-    if pipe.model_cpu_offload_seq is None:
+    if not layout.sequence:
         raise ValueError(
             "Model CPU offload cannot be enabled because no `model_cpu_offload_seq` class attribute is set."
         )
@@ -95,6 +96,8 @@ def user_exclusion(pipe, session: Optional[Session]) -> List[str]:
 
 def restore_exclusion(pipe, session: Session) -> None:
     """Undo our instance-level `_exclude_from_cpu_offload`, leaving what the user had set."""
+    restore_mirrored(session.sub_exclusions)
+    session.sub_exclusions = []
     if session.saved_exclusion is None:
         return
     had_instance_value, value = session.saved_exclusion
@@ -117,7 +120,7 @@ def unchanged(pipe, session: Session, gpu_id: Any, device: Any) -> bool:
             return False
         if wanted.type != session.device.type or (wanted.index is not None and wanted.index != session.device.index):
             return False
-    layout = PipelineLayout.from_pipeline(pipe, class_excluded=user_exclusion(pipe, session))
+    layout = layout_of(pipe, class_excluded=user_exclusion(pipe, session))
     if layout != session.layout or any(pipe.components.get(n) is not m for n, m in session.modules.items()):
         return False
     return all(ours(session.modules[name]) is not None for name in session.arrangement.hooked)
@@ -128,12 +131,12 @@ def validate(pipe, session: Optional[Session], gpu_id, device, **arguments) -> A
     options = resolve_options(
         session.options if session is not None else OffloadOptions(), pipe.components, **arguments
     )
-    raise_like_stock(pipe)
+    user_excluded = tuple(user_exclusion(pipe, session))
+    layout = layout_of(pipe, class_excluded=user_excluded)
+    raise_like_stock(pipe, layout)
     exec_device, index = resolve_device(
         gpu_id, device, getattr(pipe, "_offload_device", None), getattr(pipe, "_offload_gpu_id", None)
     )
-    user_excluded = tuple(user_exclusion(pipe, session))
-    layout = PipelineLayout.from_pipeline(pipe, class_excluded=user_excluded)
     arrangement = layout.arrange(options.exclude_from_offload)
     budget, auto = None, False
     if options.residency:
@@ -161,6 +164,7 @@ def _nbytes(module: torch.nn.Module) -> int:
 def arm(pipe, arming: Arming) -> None:
     """Place the components as the options say, make the policy, attach the hooks."""
     session = ensure_session(pipe)
+    quiet_sub_pipelines(pipe)
     STOCK["remove_all_hooks"](pipe)
     restore_exclusion(pipe, session)
     if session.transfer is not None and session.device != arming.device:
@@ -179,6 +183,7 @@ def arm(pipe, arming: Arming) -> None:
         had = "_exclude_from_cpu_offload" in pipe.__dict__
         session.saved_exclusion = (had, pipe.__dict__.get("_exclude_from_cpu_offload"))
         pipe.__dict__["_exclude_from_cpu_offload"] = list(dict.fromkeys([*arming.user_excluded, *excluded]))
+        session.sub_exclusions = mirror_exclusion(pipe, excluded)
     _attach(pipe, session)
     session.active = True
 

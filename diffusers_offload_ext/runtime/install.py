@@ -9,6 +9,7 @@ from diffusers.utils import logging
 
 from .arming import MARK
 from .methods import METHODS, guard_call
+from .overrides import ADAPTED, adapt
 
 logger = logging.get_logger(__name__)
 
@@ -18,6 +19,7 @@ _NOTHING = object()
 _saved_methods: dict = {}
 _saved_init_subclass = _NOTHING
 _wrapped_calls: List[Tuple[type, object]] = []
+_adapted: List[Tuple[type, object]] = []
 _installed = False
 
 
@@ -33,11 +35,15 @@ def _subclasses(cls: type):
 
 
 def _wrap_call(cls: type) -> None:
+    """Guard the class's own `__call__`, and give its own `enable_model_cpu_offload` (if any) the new options."""
     call = cls.__dict__.get("__call__")
-    if call is None or getattr(call, MARK, None) is not None:
-        return
-    cls.__call__ = guard_call(call)
-    _wrapped_calls.append((cls, call))
+    if call is not None and getattr(call, MARK, None) is None:
+        cls.__call__ = guard_call(call)
+        _wrapped_calls.append((cls, call))
+    enable = cls.__dict__.get("enable_model_cpu_offload")
+    if cls is not DiffusionPipeline and enable is not None and getattr(enable, ADAPTED, None) is None:
+        cls.enable_model_cpu_offload = adapt(enable)
+        _adapted.append((cls, enable))
 
 
 def _init_subclass(cls, **kwargs):
@@ -99,5 +105,8 @@ def uninstall() -> None:
     for cls, call in reversed(_wrapped_calls):
         cls.__call__ = call
     _wrapped_calls.clear()
+    for cls, enable in reversed(_adapted):
+        cls.enable_model_cpu_offload = enable
+    _adapted.clear()
     _installed = False
     logger.info("diffusers-offload-ext uninstalled.")

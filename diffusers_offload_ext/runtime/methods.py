@@ -13,6 +13,7 @@ from diffusers.utils import logging
 
 from ..calls import StepBar
 from ..layout import modules_of
+from .overrides import adapt, own_override
 from .arming import (
     MARK,
     STOCK,
@@ -198,6 +199,10 @@ def guard_call(call):
         failed = True
         try:
             result = call(self, *args, **kwargs)
+            if session.active and session.calls.depth == 1 and not session.calls.ended:
+                # A pipeline that ends without `maybe_free_model_hooks()` (a combined pipeline armed whole: its
+                # sub-pipelines' own end-of-call offload has no hooks to re-arm) gets the end-of-call offload.
+                self.maybe_free_model_hooks()
             failed = False
             return result
         except BaseException:
@@ -265,3 +270,6 @@ class OffloadMixin:
             return
         if not getattr(cls.__dict__.get("__call__"), MARK, None):
             cls.__call__ = guard_call(cls.__call__)
+        override = own_override(cls)
+        if override is not None and "enable_model_cpu_offload" not in cls.__dict__:
+            cls.enable_model_cpu_offload = adapt(override)

@@ -79,6 +79,8 @@ class Session:
         self.budget: Optional[int] = None
         self.auto_budget = False
         self.saved_exclusion = None
+        #: Sub-pipelines' `_exclude_from_cpu_offload` as they were before a combined pipeline mirrored its own.
+        self.sub_exclusions: list = []
         self.plan_cache: dict = {}
         self.ending = 0
         self.failing = False
