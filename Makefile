@@ -6,6 +6,11 @@ TORCH := torch==2.13.0
 NEW_STACK := diffusers==0.42.1 accelerate==1.15.0 "transformers>=5,<6"
 OLD_STACK := diffusers==0.32.2 accelerate==1.6.0 transformers==4.51.3
 DIFFUSERS_SDIST_VERSION := 0.42.1
+# The upstream patch series (patches/v0.42.1, patches/main) is checked with diffusers' own pinned tools, against the
+# PyPI sdists of 0.42.1 and 0.40.0 (whose pipeline_utils.py is the fetched main's); see patches/README.md.
+# (hf-doc-builder imports requests without requiring it)
+PATCH_TOOLS := ruff==0.9.10 hf-doc-builder==0.5.0 requests
+PATCH_SDISTS := build/sdist/diffusers-0.42.1.tar.gz build/sdist/diffusers-0.40.0.tar.gz
 BLACK_PATHS := setup.py diffusers_offload_ext tests $(wildcard benchmarks)
 PYTEST := -p no:cacheprovider -q
 
@@ -25,13 +30,22 @@ PYTEST := -p no:cacheprovider -q
 	.venv-old/bin/pip install $(PIP_QUIET) -e ".[test]" $(OLD_STACK)
 	touch $@
 
-# diffusers v0.42.1 built from its source distribution with patches/ applied; this package is NOT installed.
-.venv-patched/.installed: patches/*.patch patches/apply-to-sdist.sh
-	rm -rf .venv-patched build/diffusers-patched build/sdist
+# ruff and hf-doc-builder at the versions diffusers uses, to check the patch series; also downloads the sdists.
+.venv-patch-tools/.installed:
+	rm -rf .venv-patch-tools
+	$(PYTHON) -m venv .venv-patch-tools
+	.venv-patch-tools/bin/pip install $(PIP_QUIET) $(PATCH_TOOLS)
+	touch $@
+
+build/sdist/diffusers-%.tar.gz: | .venv-patch-tools/.installed
+	.venv-patch-tools/bin/pip download $(PIP_QUIET) --no-deps --no-binary :all: -d build/sdist diffusers==$*
+
+# diffusers v0.42.1 built from its source distribution with patches/v0.42.1 applied; this package is NOT installed.
+.venv-patched/.installed: patches/v0.42.1/*.patch patches/apply-to-sdist.sh build/sdist/diffusers-$(DIFFUSERS_SDIST_VERSION).tar.gz
+	rm -rf .venv-patched build/diffusers-patched
 	$(PYTHON) -m venv .venv-patched
 	.venv-patched/bin/pip install $(PIP_QUIET) $(TORCH)
-	.venv-patched/bin/pip download $(PIP_QUIET) --no-deps --no-binary :all: -d build/sdist diffusers==$(DIFFUSERS_SDIST_VERSION)
-	bash patches/apply-to-sdist.sh build/sdist/diffusers-$(DIFFUSERS_SDIST_VERSION).tar.gz build/diffusers-patched
+	bash patches/apply-to-sdist.sh build/sdist/diffusers-$(DIFFUSERS_SDIST_VERSION).tar.gz build/diffusers-patched patches/v0.42.1
 	.venv-patched/bin/pip install $(PIP_QUIET) ./build/diffusers-patched accelerate==1.15.0 "transformers>=5,<6" sentencepiece protobuf peft pytest hypothesis
 	touch $@
 
@@ -59,4 +73,4 @@ test: lint
 test-serial: lint test-new test-old test-patched
 
 clean:
-	rm -rf .venv .venv-old .venv-patched build
+	rm -rf .venv .venv-old .venv-patched .venv-patch-tools build

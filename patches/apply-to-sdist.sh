@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Extract a diffusers source distribution and apply this directory's patch series to it, so that
+# Extract a diffusers source distribution and apply a patch series of this directory to it, so that
 # `pip install DEST_DIR` builds the patched diffusers.
 #
-#   patches/apply-to-sdist.sh diffusers-0.42.1.tar.gz /tmp/diffusers-patched
+#   patches/apply-to-sdist.sh diffusers-0.42.1.tar.gz /tmp/diffusers-patched              # patches/v0.42.1
+#   patches/apply-to-sdist.sh diffusers-0.40.0.tar.gz /tmp/diffusers-main patches/main     # another series
 #   pip install /tmp/diffusers-patched
 #
 # DEST_DIR must not exist or be empty. It becomes a git repository: one commit with the sdist as
-# released, then one commit per applied patch (`git am`). A patch whose files live in a folder the
-# sdist doesn't ship (the sdist has no docs/) is skipped with a message; any other patch that does
-# not apply stops the script with a non-zero exit status.
+# released, then one commit per applied patch (`git am`, no fuzz, no whitespace errors). The sdist
+# ships `src/` and, of `tests/`, only `tests/testing_utils.py`: a patch that changes a file the sdist
+# doesn't have (the pipeline tester mixins, the docs) is skipped with a message; a patch that only
+# changes files the sdist has or adds new ones must apply, or the script stops with an error.
 set -euo pipefail
 
 die() {
@@ -16,21 +18,24 @@ die() {
     exit 1
 }
 
-[ $# -eq 2 ] || die "usage: $0 SDIST_TARBALL DEST_DIR"
+[ $# -eq 2 ] || [ $# -eq 3 ] || die "usage: $0 SDIST_TARBALL DEST_DIR [SERIES_DIR]"
 sdist=$1
 dest=$2
-patch_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+series=${3:-$here/v0.42.1}
 
 [ -f "$sdist" ] || die "no such file: $sdist"
+[ -d "$series" ] || die "no such series folder: $series"
+series=$(cd "$series" && pwd)
 command -v git >/dev/null || die "git is needed"
 if [ -e "$dest" ] && [ -n "$(ls -A "$dest")" ]; then
     die "$dest exists and is not empty"
 fi
 
 shopt -s nullglob
-patches=("$patch_dir"/[0-9][0-9][0-9][0-9]-*.patch)
+patches=("$series"/[0-9][0-9][0-9][0-9]-*.patch)
 shopt -u nullglob
-[ ${#patches[@]} -gt 0 ] || die "no NNNN-*.patch files in $patch_dir"
+[ ${#patches[@]} -gt 0 ] || die "no NNNN-*.patch files in $series"
 
 mkdir -p "$dest"
 # The sdist has a single top-level folder, diffusers-X.Y.Z/.
@@ -49,10 +54,10 @@ git_ commit -q -m "$(basename "$sdist") as released"
 applied=0
 for patch in "${patches[@]}"; do
     name=$(basename "$patch")
-    # Top-level folders the patch touches, e.g. "src" or "docs".
+    # Files the patch changes (new files have `--- /dev/null`).
     missing=""
-    for top in $(sed -n 's#^diff --git a/\([^/]*\)/.* b/.*#\1#p' "$patch" | sort -u); do
-        [ -d "$dest/$top" ] || missing="$missing $top/"
+    for file in $(sed -n 's#^--- a/##p' "$patch" | sort -u); do
+        [ -f "$dest/$file" ] || missing="$missing $file"
     done
     if [ -n "$missing" ]; then
         echo "skipped $name: the sdist has no$missing"
