@@ -14,7 +14,7 @@ PATCH_SDISTS := build/sdist/diffusers-0.42.1.tar.gz build/sdist/diffusers-0.40.0
 BLACK_PATHS := setup.py diffusers_offload_ext tests $(wildcard benchmarks)
 PYTEST := -p no:cacheprovider -q
 
-.PHONY: demo test test-serial test-new test-old test-patched lint clean
+.PHONY: demo test test-serial test-new test-old test-patched lint clean check-patches test-patch-diffusers
 
 .venv/.installed: setup.py
 	rm -rf .venv
@@ -64,13 +64,26 @@ test-old: .venv-old/.installed
 test-patched: .venv-patched/.installed
 	.venv-patched/bin/pytest $(PYTEST) tests --offload-impl=patched
 
-# The stacks run side by side (each pytest uses one thread; CI has 2 cores), each one's output printed whole when
-# it is done. `make test-serial` runs them one after the other.
+# Both series apply with plain `git am` to their bases; ruff and doc-builder pass on what they change.
+# Add DIFFUSERS_REPO=/path/to/a/diffusers/clone for the full check against real trees (not possible in CI).
+check-patches: .venv-patch-tools/.installed $(PATCH_SDISTS)
+	.venv-patch-tools/bin/python patches/check_series.py --sdist-dir build/sdist --work build/check-patches \
+		$(if $(DIFFUSERS_REPO),--diffusers-repo $(DIFFUSERS_REPO))
+
+# The series' own diffusers-style tests (tests/pipelines/test_pipelines_model_cpu_offload.py of the patched sdist
+# tree; the sdist has no tests/__init__.py, which the relative imports need) against the patched build.
+test-patch-diffusers: .venv-patched/.installed
+	touch build/diffusers-patched/tests/__init__.py build/diffusers-patched/tests/pipelines/__init__.py
+	cd build/diffusers-patched && ../../.venv-patched/bin/pytest $(PYTEST) --rootdir=. -rs tests/pipelines/test_pipelines_model_cpu_offload.py
+
+# Everything runs side by side (each pytest uses one thread; CI has 2 cores), each target's output printed whole
+# when it is done. `make test-serial` runs them one after the other.
+CHECKS := test-new test-old test-patched check-patches test-patch-diffusers
 JOBS ?= 2
 test: lint
-	$(MAKE) --no-print-directory -j$(JOBS) --output-sync=target test-new test-old test-patched
+	$(MAKE) --no-print-directory -j$(JOBS) --output-sync=target $(CHECKS)
 
-test-serial: lint test-new test-old test-patched
+test-serial: lint $(CHECKS)
 
 clean:
 	rm -rf .venv .venv-old .venv-patched .venv-patch-tools build
