@@ -77,6 +77,18 @@ def accelerator(request):
 
 
 @pytest.fixture
+def detected_device(offload_impl, monkeypatch):
+    """`enable_model_cpu_offload()` without `device` (as diffusers' LoRA loaders call it) finds the execution device.
+
+    The plugin reuses the device of the previous call. The patch keeps stock's detection, which finds no accelerator
+    on these machines and raises: stand one in, the way an accelerator machine would answer."""
+    if offload_impl == "patched":
+        import diffusers.pipelines.pipeline_utils as pipeline_utils
+
+        monkeypatch.setattr(pipeline_utils, "get_device", lambda: "cpu:0")
+
+
+@pytest.fixture
 def installed(offload_impl):
     """The new `enable_model_cpu_offload` arguments are available on every pipeline for the test's duration."""
     if offload_impl == "patched":

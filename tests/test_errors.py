@@ -131,7 +131,7 @@ def test_class_attribute_never_mutated(installed):
     assert pipe._exclude_from_cpu_offload == ["safety_checker", "transformer", "vae"]
     other = toy.build()
     assert other._exclude_from_cpu_offload == ["safety_checker"]
-    pipe.enable_model_cpu_offload(exclude_from_offload=[])
+    pipe.enable_model_cpu_offload(device="cpu", exclude_from_offload=[])
     assert pipe._exclude_from_cpu_offload == ["safety_checker"]
     assert "_exclude_from_cpu_offload" not in pipe.__dict__ or pipe.__dict__["_exclude_from_cpu_offload"] == [
         "safety_checker"

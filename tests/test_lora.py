@@ -30,7 +30,7 @@ def lora_state_dict(unet):
 
 
 @pytest.mark.parametrize("keep", [True, ()])
-def test_load_lora_weights_keeps_options(installed, accelerator, keep):
+def test_load_lora_weights_keeps_options(installed, accelerator, detected_device, keep):
     name = "sd15"
     pipe = tiny.build(name)
     session = Session(pipe, exclude=("unet",), keep=keep)

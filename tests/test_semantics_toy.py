@@ -32,6 +32,7 @@ def observed(session):
     return ledger_moves(session.ledger) if session.ledger is not None else session.spied_moves()
 
 
+@pytest.mark.plugin_only  # exact moves on the CPU, which stock accelerate hooks can't show: see test_pipelines.py
 @pytest.mark.parametrize("trace", sorted(TRACES))
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 def test_moves_match_reference(installed, trace, option):
@@ -44,6 +45,7 @@ def test_moves_match_reference(installed, trace, option):
     assert len(session.spy.calls) == len(reference.moves)
 
 
+@pytest.mark.plugin_only  # exact moves on the CPU, which stock accelerate hooks can't show: see test_pipelines.py
 def test_stock_chain_policy_by_hand(installed):
     """One hand-checked case, so that the reference model itself is checked too."""
     session = run_session(installed, PREVIEW, (), (), calls=1)
