@@ -13,7 +13,7 @@ from diffusers.utils import logging
 
 from ..calls import StepBar
 from ..layout import modules_of
-from .overrides import adapt, own_override
+from .overrides import NEW_OPTIONS, adapt, own_override
 from .arming import (
     MARK,
     STOCK,
@@ -107,14 +107,7 @@ def enable_model_cpu_offload(
     ```
     """
     session = get_session(self)
-    arguments = dict(
-        exclude_from_offload=exclude_from_offload,
-        keep_on_device_during_generation=keep_on_device_during_generation,
-        memory_budget=memory_budget,
-        memory_reserve=memory_reserve,
-        keep_on_device_between_generations=keep_on_device_between_generations,
-        zero_copy_eviction=zero_copy_eviction,
-    )
+    arguments = {name: value for name, value in locals().items() if name in NEW_OPTIONS}
     if session is not None and all(v is None for v in arguments.values()) and unchanged(self, session, gpu_id, device):
         refresh_budget(session)
         session.end_of_call()

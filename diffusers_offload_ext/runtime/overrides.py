@@ -161,14 +161,7 @@ def adapt(original):
         from .arming import get_session
         from .methods import METHODS
 
-        options = dict(
-            exclude_from_offload=exclude_from_offload,
-            keep_on_device_during_generation=keep_on_device_during_generation,
-            memory_budget=memory_budget,
-            memory_reserve=memory_reserve,
-            keep_on_device_between_generations=keep_on_device_between_generations,
-            zero_copy_eviction=zero_copy_eviction,
-        )
+        options = {name: value for name, value in locals().items() if name in NEW_OPTIONS}
         session = get_session(self)
         given = [name for name in NEW_OPTIONS if options.get(name) is not None]
         if not given and (session is None or not session.active):
