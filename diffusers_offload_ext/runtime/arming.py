@@ -216,7 +216,7 @@ def _adopt(session: Session, pipe, arming: Arming) -> None:
             session.move(name, OFFLOAD)
         elif where == MIXED:
             transfer.forget_host_copy(module)
-    zero_copy = arming.options.residency and arming.options.zero_copy
+    zero_copy = arming.options.drops
     for name, module in modules.items():
         if name not in session.resident or not zero_copy or name in arming.arrangement.excluded:
             transfer.forget_host_copy(module)
@@ -242,7 +242,7 @@ def _policy(session: Session, arming: Arming):
         keep_between=options.keep_between,
         calls=session.calls,
         cache=session.plan_cache,
-        zero_copy=options.zero_copy,
+        zero_copy=options.drops,
         dynamic_capacity=capacity is not None,
     )
     previous = session.policy

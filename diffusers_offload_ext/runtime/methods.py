@@ -76,11 +76,13 @@ def enable_model_cpu_offload(
             Turns on the residency manager and keeps components on the device at the end of a call (within the
             budget), so that the next call does not upload them again. `diffusers_offload_ext.release(pipe)`
             evicts them explicitly.
-        zero_copy_eviction (`bool`, *optional*, defaults to `True`):
-            With the residency manager on, keep the host copy of each component's weights while it is on the
-            device, so that an eviction only drops the device copy (no device-to-host copy; host memory stays at
-            stock's peak, all weights on the host). A change made while on the device (in-place edits, replaced
-            tensors, LoRA fusing) is detected and copied back. `False` evicts with a copy, like stock.
+        zero_copy_eviction (`bool`, *optional*):
+            Keep the host copy of each component's weights while it is on the device, so that an eviction only drops
+            the device copy (no device-to-host copy; host memory stays at stock's peak, all weights on the host). A
+            change made while on the device (in-place edits, replaced tensors, LoRA fusing) is detected and copied
+            back. Not set: on with the residency manager, off otherwise. `True`: in every mode, the defaults and
+            `exclude_from_offload`/`keep_on_device_during_generation` included (which component moves when does not
+            change; opt-in until measured on a GPU). `False`: every eviction copies, like stock.
 
     Raises:
         `TypeError`: an argument of the wrong type.

@@ -40,7 +40,7 @@ class OffloadOptions:
         memory_budget (`int`, *optional*): Explicit `memory_budget` in bytes; `None`: the automatic one.
         memory_reserve (`int`, defaults to 3 GiB): `memory_reserve` in bytes.
         keep_between (`bool`, defaults to `False`): `keep_on_device_between_generations`.
-        zero_copy (`bool`, defaults to `True`): `zero_copy_eviction`.
+        zero_copy (`bool`, *optional*): `zero_copy_eviction`; `None` (not set): on with the residency manager only.
     """
 
     exclude_from_offload: Tuple[str, ...] = ()
@@ -49,12 +49,18 @@ class OffloadOptions:
     memory_budget: Optional[int] = None
     memory_reserve: int = DEFAULT_RESERVE
     keep_between: bool = False
-    zero_copy: bool = True
+    zero_copy: Optional[bool] = None
 
     @property
     def residency(self) -> bool:
         """Whether the residency manager is on: a `memory_budget` was set or `keep_on_device_between_generations`."""
         return self.memory_budget is not None or self.keep_between
+
+    @property
+    def drops(self) -> bool:
+        """Whether an eviction of an unchanged component only drops its device copy: with `zero_copy_eviction=True` in
+        every mode; when it was never set, with the residency manager only."""
+        return self.residency if self.zero_copy is None else self.zero_copy
 
     def kept(self, offloaded: Iterable[str]) -> frozenset:
         """The names among `offloaded` that the chain must not evict."""
@@ -125,7 +131,7 @@ def _size(argument: str, value: Any, example: str) -> int:
     return nbytes
 
 
-def _flag(argument: str, value: Any, previous: bool) -> bool:
+def _flag(argument: str, value: Any, previous: Optional[bool]) -> Optional[bool]:
     if value is None:
         return previous
     if not isinstance(value, bool):

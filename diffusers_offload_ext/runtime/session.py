@@ -128,7 +128,7 @@ class Session:
         finishers = [observer(name, direction, module) for observer in self.observers]
         with torch.profiler.record_function(f"diffusers_offload_ext::{direction}::{name}"):
             if direction == ONLOAD:
-                keep_host = self.options.residency and self.options.zero_copy and name not in self.policy.stays
+                keep_host = self.options.drops and name not in self.policy.stays
                 moved = self.transfer.onload(module, keep_host=keep_host)
             else:
                 moved = self.transfer.offload(module)
