@@ -89,6 +89,7 @@ class ComponentStatus(NamedTuple):
             `"kept"` (`keep_on_device_during_generation`), `"chain"` or `"outside chain"` (hooked, run outside the
             `model_cpu_offload_seq` chain).
         host_copy (`bool`): A host copy is held for an eviction without a copy.
+        pinned_bytes (`int`): Bytes of its host memory page-locked (`pin_memory`).
     """
 
     nbytes: int
@@ -96,6 +97,7 @@ class ComponentStatus(NamedTuple):
     where: str
     role: str
     host_copy: bool
+    pinned_bytes: int = 0
 
 
 class OffloadStatus(NamedTuple):
@@ -113,6 +115,7 @@ class OffloadStatus(NamedTuple):
         in_call (`bool`): A pipeline call is in progress.
         recent_calls (`List[Tuple[str, ...]]`): Components used by the last completed calls, oldest first.
         options (`dict`): The options in force.
+        pinned_bytes (`int`): Bytes of the components' host memory page-locked (`pin_memory`).
     """
 
     enabled: bool
@@ -126,6 +129,7 @@ class OffloadStatus(NamedTuple):
     in_call: bool
     recent_calls: List[Tuple[str, ...]]
     options: dict
+    pinned_bytes: int = 0
 
 
 def offload_status(pipe) -> OffloadStatus:
@@ -167,6 +171,7 @@ def offload_status(pipe) -> OffloadStatus:
         in_call=session.calls.in_call,
         recent_calls=list(session.calls.history),
         options=options,
+        pinned_bytes=sum(c.pinned_bytes for c in components.values()),
     )
 
 
@@ -187,4 +192,5 @@ def _component(session, name: str) -> ComponentStatus:
         where=session.transfer.locate(module),
         role=role,
         host_copy=entry.host_copy is not None,
+        pinned_bytes=session.transfer.pinning.bytes_of(module) if session.transfer.pinning is not None else 0,
     )

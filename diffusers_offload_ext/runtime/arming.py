@@ -12,8 +12,9 @@ from diffusers import DiffusionPipeline
 from ..constants import OFFLOAD
 from ..layout import Arrangement, PipelineLayout, modules_of
 from ..policies import ChainPolicy, Facts, ResidencyPolicy
-from ..transfer import ELSEWHERE, MIXED, ON_DEVICE, BOOK, make_transfer, memory
+from ..transfer import ELSEWHERE, MIXED, ON_DEVICE, BOOK, make_transfer, memory, pinned
 from . import sharing
+from .checks import check_pinning, raise_like_stock
 from .hook import DeferredCpuOffload, OffloadHandle, ours
 from .options import OffloadOptions, resolve_budget, resolve_device, resolve_options
 from .overrides import layout_of, mirror_exclusion, quiet_sub_pipelines, restore_mirrored
@@ -60,28 +61,6 @@ def ensure_session(pipe) -> Session:
     if session is None:
         session = pipe.__dict__[SESSION_ATTR] = Session()
     return session
-
-
-def raise_like_stock(pipe, layout: PipelineLayout) -> None:
-    """The checks stock's `enable_model_cpu_offload` makes before changing anything, with stock's errors."""
-    if hasattr(pipe, "_maybe_raise_error_if_group_offload_active"):
-        pipe._maybe_raise_error_if_group_offload_active(raise_error=True)
-    if hasattr(pipe, "_maybe_raise_error_if_tensor_parallel_active"):
-        pipe._maybe_raise_error_if_tensor_parallel_active()
-    if hasattr(pipe, "_is_pipeline_device_mapped"):
-        device_mapped = pipe._is_pipeline_device_mapped()
-    else:
-        device_mapped = pipe.hf_device_map is not None and len(pipe.hf_device_map) > 1
-    if device_mapped:
-        raise ValueError(
-            "It seems like you have activated a device mapping strategy on the pipeline so calling "
-            "`enable_model_cpu_offload() isn't allowed. You can call `reset_device_map()` first and then call "
-            "`enable_model_cpu_offload()`."
-        )
-    if not layout.sequence:
-        raise ValueError(
-            "Model CPU offload cannot be enabled because no `model_cpu_offload_seq` class attribute is set."
-        )
 
 
 def user_exclusion(pipe, session: Optional[Session]) -> List[str]:
@@ -137,6 +116,7 @@ def validate(pipe, session: Optional[Session], gpu_id, device, **arguments) -> A
     exec_device, index = resolve_device(
         gpu_id, device, getattr(pipe, "_offload_device", None), getattr(pipe, "_offload_gpu_id", None)
     )
+    check_pinning(options, exec_device)
     arrangement = layout.arrange(options.exclude_from_offload)
     budget, auto = None, False
     if options.residency:
@@ -175,6 +155,8 @@ def arm(pipe, arming: Arming) -> None:
     if session.transfer is None:
         session.transfer = make_transfer(arming.device)
     session.readable = session.transfer.readable
+    pinning = arming.options.pin_memory is not False
+    session.transfer.pinning = pinned.store_for(arming.device) if pinning else None
     _adopt(session, pipe, arming)
     session.policy = _policy(session, arming)
     _end_or_arm(session)
@@ -192,9 +174,12 @@ def _adopt(session: Session, pipe, arming: Arming) -> None:
     """Take the pipeline's components as they are now: which ones left, where each one really is."""
     modules = modules_of(pipe.components)
     modules = {name: modules[name] for name in arming.layout.order}
+    stays = set(arming.arrangement.excluded) | set(arming.arrangement.round_trip)
+    pins_go = [m for n, m in session.modules.items() if modules.get(n) is not m or n in stays]
     for name, module in session.modules.items():
         if modules.get(name) is not module:
             sharing.leave(session, module)
+    session.unpin(pins_go if session.transfer.pinning is not None else session.modules.values())
     transfer = session.transfer
     session.modules = modules
     session.entries = {name: transfer.entry(module) for name, module in modules.items()}

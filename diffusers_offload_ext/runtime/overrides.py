@@ -24,6 +24,7 @@ NEW_OPTIONS = (
     "memory_reserve",
     "keep_on_device_between_generations",
     "zero_copy_eviction",
+    "pin_memory",
 )
 #: Set on an adapted override, pointing to the class's own method.
 ADAPTED = "__offload_ext_adapts__"
@@ -157,6 +158,7 @@ def adapt(original):
         memory_reserve=None,
         keep_on_device_between_generations=None,
         zero_copy_eviction=None,
+        pin_memory=None,
     ):
         from .arming import get_session
         from .methods import METHODS

@@ -14,7 +14,7 @@ from ..calls import CallTracker
 from ..constants import ONLOAD
 from ..observe.ledger import TransferLedger, TransferRecord
 from ..policies import NOTHING, Decision, Facts, Policy
-from ..transfer import MIXED, ON_DEVICE, ON_HOST, Transfer
+from ..transfer import MIXED, ON_DEVICE, ON_HOST, Transfer, pinned
 from ..units import format_size
 from . import sharing
 from .options import OffloadOptions
@@ -128,8 +128,9 @@ class Session:
         finishers = [observer(name, direction, module) for observer in self.observers]
         with torch.profiler.record_function(f"diffusers_offload_ext::{direction}::{name}"):
             if direction == ONLOAD:
-                keep_host = self.options.drops and name not in self.policy.stays
-                moved = self.transfer.onload(module, keep_host=keep_host)
+                pinning = self.transfer.pinning is not None
+                keep_host = (self.options.drops or pinning) and name not in self.policy.stays
+                moved = self.transfer.onload(module, keep_host=keep_host, check=self.options.drops)
             else:
                 moved = self.transfer.offload(module)
         placed(module, direction == ONLOAD, self)
@@ -142,6 +143,14 @@ class Session:
             for other in sharing.holders(module):
                 if other is not self and other.policy is not None:
                     other.carry_out(other.policy.on_shared_load(other.name_of(module), other.resident, other.facts))
+
+    def unpin(self, modules) -> None:
+        """Let the page-locked store go of `modules`' host memory (they left offload, or page-locking was turned off);
+        the memory itself stays, pageable."""
+        store = pinned.existing_store(self.device) if self.device is not None else None
+        if store is not None:
+            for module in modules:
+                store.release(module)
 
     # -- the truth about placement ----------------------------------------------------------------------------------
     def recheck(self, name: str) -> None:

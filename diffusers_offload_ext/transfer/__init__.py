@@ -7,6 +7,7 @@ from typing import Callable, List
 
 import torch
 
+from . import pinned
 from .base import ELSEWHERE, EMPTY, HOST, MIXED, ON_DEVICE, ON_HOST, ON_META, Moved, Transfer, tensors_report
 from .book import BOOK, Book, Entry, first_tensor, module_nbytes
 from .host_copy import HostCopy
@@ -45,5 +46,6 @@ __all__ = [
     "first_tensor",
     "make_transfer",
     "module_nbytes",
+    "pinned",
     "tensors_report",
 ]

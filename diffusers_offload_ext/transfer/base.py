@@ -54,6 +54,7 @@ class Transfer:
         self.device = device
         self.book = book
         self.readable = tensors_report(device)
+        self.pinning = None  # a `PinnedStore` when host copies are page-locked (`pin_memory`)
 
     # -- where things are -------------------------------------------------------------------------------------------
     def entry(self, module: torch.nn.Module) -> Entry:
@@ -103,8 +104,9 @@ class Transfer:
             entry.host_copy = None
 
     # -- moves ------------------------------------------------------------------------------------------------------
-    def onload(self, module: torch.nn.Module, *, keep_host: bool) -> Moved:
-        """Move `module` to the device; with `keep_host`, keep its host tensors for an eviction without a copy."""
+    def onload(self, module: torch.nn.Module, *, keep_host: bool, check: bool = True) -> Moved:
+        """Move `module` to the device; with `keep_host`, keep its host tensors (page-locked where `pinning` is set)
+        for an eviction without a copy, or without new host memory when `check` is False or the weights changed."""
         raise NotImplementedError
 
     def offload(self, module: torch.nn.Module) -> Moved:

@@ -49,7 +49,7 @@ class HostCopy:
     `restore(module)` may replace the copy back.
     """
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, check: bool = True) -> None:
         # `param.data` is a second reference to the host storage: it outlives the onload, which either sets the
         # parameter's `.data` or puts a new `Parameter` in its place; the original object is kept too, so that it can
         # come back. Sub-modules are held weakly: the copy never keeps a component alive.
@@ -58,9 +58,12 @@ class HostCopy:
         ]
         self.signature: Optional[list] = None
         self.content: Optional[list] = None
+        self.check = check  # False: every eviction writes back (`zero_copy_eviction=False` with page-locked copies)
 
     def seal(self, module: torch.nn.Module) -> None:
         """Record what the component looks like on the device, right after the onload."""
+        if not self.check:
+            return
         found = list(slots(module))
         self.content = self._content(found)
         if self.content is None:
@@ -99,6 +102,27 @@ class HostCopy:
         now = [c for c in content if c is not None]
         sealed = [c for c in self.content if c is not None]
         return not now or bool(torch.equal(torch.stack(now), torch.stack(sealed)))
+
+    def write_back(self, module: torch.nn.Module) -> bool:
+        """Copy the device tensors into the host tensors, in place, and put those back (an eviction that copies but
+        keeps the host memory, page-locked as it is). False, with nothing changed, where the structure, a shape or a
+        dtype changed on the device: then only a fresh host copy can hold the weights."""
+        found = list(slots(module))
+        if len(found) != len(self.host):
+            return False
+        pairs = []
+        for (sub, is_param, key, t), (sub_ref, is_param0, key0, _, host) in zip(found, self.host):
+            if sub is not sub_ref() or is_param != is_param0 or key != key0:
+                return False
+            if t.shape != host.shape or t.dtype != host.dtype or t.layout != host.layout:
+                return False
+            pairs.append((t, host))
+        with torch.no_grad():
+            for t, host in pairs:
+                if t.data_ptr() != host.data_ptr():
+                    host.copy_(t)
+        self.restore(module)
+        return True
 
     def restore(self, module: torch.nn.Module) -> None:
         """Put the host tensors back in place of the device ones: the eviction without a copy."""

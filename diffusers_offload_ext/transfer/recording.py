@@ -25,13 +25,23 @@ class RecordingTransfer(Transfer):
     """
 
     def __init__(self, inner: Transfer) -> None:
-        super().__init__(inner.device, inner.book)
         self.inner = inner
+        pinning = inner.pinning
+        super().__init__(inner.device, inner.book)
+        self.pinning = pinning
         self.readable = inner.readable
         self.calls: List[Call] = []
 
-    def onload(self, module: torch.nn.Module, *, keep_host: bool) -> Moved:
-        moved = self.inner.onload(module, keep_host=keep_host)
+    @property
+    def pinning(self):
+        return self.inner.pinning
+
+    @pinning.setter
+    def pinning(self, store) -> None:
+        self.inner.pinning = store
+
+    def onload(self, module: torch.nn.Module, *, keep_host: bool, check: bool = True) -> Moved:
+        moved = self.inner.onload(module, keep_host=keep_host, check=check)
         self.calls.append(Call("onload", module, moved))
         return moved
 

@@ -189,7 +189,6 @@ def header() -> dict:
 def record_all(names=None, progress=None) -> dict:
     """`{"header": ..., "{pipeline}/{scenario}/{option}": entry, ...}` for every available pipeline in `names`
     (default: all of `tiny.PIPELINES`). Uninstalls the extension at the end."""
-    import torch
 
     import diffusers_offload_ext as doe
 
