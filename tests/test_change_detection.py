@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: zero-copy eviction is not in the upstream patch")
 
-from diffusers_offload_ext.transfer.fingerprint import fingerprint, fingerprintable  # noqa: E402
+from diffusers_offload_ext.transfer.fingerprint import fingerprint, fingerprintable, fingerprints  # noqa: E402
 from diffusers_offload_ext.transfer.host_copy import HostCopy  # noqa: E402
 
 pytestmark = pytest.mark.plugin_only
@@ -173,3 +173,29 @@ def test_fingerprinting_leaves_the_tensor_untouched(dtype):
     first, second = fingerprint(tensor), fingerprint(tensor)
     assert torch.equal(bits(tensor), bits(before))
     assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.bool], ids=str)
+def test_every_bit_flip_in_a_batch_of_small_tensors_changes_the_vector(dtype):
+    """Small tensors are fingerprinted together (a few kernels for all): a flip in any of them, at any bit, an odd
+    byte count (the tail read byte by byte) and a view whose bytes are not 8-aligned (read byte by byte) included."""
+    base = sample(dtype, 67, seed=3)
+    tensors = [sample(dtype, 13, seed=1), base[1:], sample(dtype, 40, seed=2)]  # base[1:]: unaligned, odd length
+    before = fingerprints(tensors)
+    for which, tensor in enumerate(tensors):
+        for index in range(tensor.numel()):
+            for bit in range(tensor.element_size() * 8):
+                edited = [t.clone() for t in tensors]
+                flip_bit(edited[which], index, bit)
+                assert not torch.equal(fingerprints(edited), before), (which, index, bit)
+
+
+def test_batched_fingerprints_see_contents_moved_between_tensors():
+    a, b = sample(torch.float32, 16, seed=1), sample(torch.float32, 16, seed=2)
+    assert not torch.equal(fingerprints([a, b]), fingerprints([b, a]))
+    large = sample(torch.float32, (1 << 20) // 4 + 1, seed=4)  # over the small-tensor threshold: folded alone
+    assert fingerprints([large, a]).numel() == 2
+    edited = large.clone()
+    edited[-1] += 1
+    assert not torch.equal(fingerprints([large, a]), fingerprints([edited, a]))
+    assert fingerprints([a, torch.randn(3).to_sparse()]) is None

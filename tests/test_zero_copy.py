@@ -222,7 +222,7 @@ def test_every_sign_flipped_is_never_lost_whatever_the_dtype(installed, sim, dty
 def test_version_counters_alone_would_lose_an_edit_through_data(installed, sim, monkeypatch):
     """Why the fingerprint exists: `weight.data += delta` bumps no version counter the parameter shows. Without
     the fingerprint the edit is dropped with the device copy (the failure the tests above guard)."""
-    monkeypatch.setattr(host_copy, "fingerprint", lambda tensor: torch.zeros((), dtype=torch.int64))
+    monkeypatch.setattr(host_copy, "fingerprints", lambda tensors: torch.zeros(len(tensors), dtype=torch.int64))
     pipe = build()
     before = pipe.transformer.linear.weight.detach().clone()
     pipe.enable_model_cpu_offload(device="cpu", memory_budget="1MiB", keep_on_device_between_generations=True)
@@ -234,7 +234,7 @@ def test_version_counters_alone_would_lose_an_edit_through_data(installed, sim, 
 
 
 def test_unfingerprintable_tensors_are_copied_back(installed, sim, monkeypatch):
-    monkeypatch.setattr(host_copy, "fingerprintable", lambda tensor: False)
+    monkeypatch.setattr(host_copy, "fingerprints", lambda tensors: None)  # a tensor it cannot read
     pipe = build()
     pipe.enable_model_cpu_offload(device="cpu", memory_budget="1MiB", keep_on_device_between_generations=True)
     pipe(["transformer"])

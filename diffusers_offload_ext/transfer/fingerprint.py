@@ -11,7 +11,7 @@ enough: flipping the top bit of every element of a float64 tensor with an even n
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -77,21 +77,54 @@ def fingerprintable(tensor: torch.Tensor) -> bool:
     )
 
 
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s bits as a fresh 1-D int64 tensor: eight bytes per word where the bytes are 8-aligned (a bfloat16
+    tensor gives a quarter of its element count), then the remaining bytes one per word."""
+    raw = tensor.detach().reshape(-1).contiguous()
+    raw = raw.view(torch.uint8)
+    main = raw.numel() // 8 * 8 if raw.storage_offset() % 8 == 0 else 0
+    parts = [raw[:main].view(torch.int64).clone()] if main else []
+    if main < raw.numel():
+        parts.append(raw[main:].to(torch.int64))
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64, device=raw.device)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _fold(words: torch.Tensor) -> torch.Tensor:
+    """The position-salted, mixed sum of `words` (mixed in place: they must be a copy), as a 0-dim int64 tensor."""
+    total = torch.zeros((), dtype=torch.int64, device=words.device)
+    for index, start in enumerate(range(0, words.numel(), CHUNK)):
+        chunk = words[start : start + CHUNK]
+        chunk.bitwise_xor_(_position_words(chunk.device, chunk.numel()))
+        chunk.bitwise_xor_(_mix_int(index + 1))
+        total += _mix_(chunk).sum()
+    return total
+
+
 def fingerprint(tensor: torch.Tensor) -> Optional[torch.Tensor]:
     """A 0-dim int64 tensor on `tensor`'s device that changes whenever any bit of `tensor` changes; `None` when the
     tensor cannot be read that way (see `fingerprintable`)."""
     if not fingerprintable(tensor):
         return None
-    flat = tensor.detach().reshape(-1).contiguous()
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    if flat.numel() == 0:
-        return total
-    if flat.dtype == torch.bool:
-        flat = flat.view(torch.uint8)
-    words = flat.view(_INTS[flat.element_size()])
-    for index, start in enumerate(range(0, words.numel(), CHUNK)):
-        chunk = words[start : start + CHUNK].to(torch.int64, copy=True)  # never mix the weights themselves
-        chunk.bitwise_xor_(_position_words(chunk.device, chunk.numel()))
-        chunk.bitwise_xor_(_mix_int(index + 1))
-        total += _mix_(chunk).sum()
-    return total
+    return _fold(_words(tensor))
+
+
+#: Tensors below this many bytes are fingerprinted together (`fingerprints`): a few kernels for all of them.
+SMALL = 1 << 20
+
+
+def fingerprints(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One int64 vector for `tensors` (all fingerprintable, on one device, in a fixed order) that changes whenever
+    any bit of any of them changes: each large tensor folded alone, the small ones concatenated and folded together.
+    `None` if one of them cannot be read."""
+    if not all(fingerprintable(t) for t in tensors):
+        return None
+    large = [t for t in tensors if t.numel() * t.element_size() >= SMALL]
+    small = [t for t in tensors if t.numel() * t.element_size() < SMALL]
+    folded = [_fold(_words(t)) for t in large]
+    if small:
+        folded.append(_fold(torch.cat([_words(t) for t in small])))
+    if not folded:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.stack(folded)

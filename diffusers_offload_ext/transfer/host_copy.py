@@ -26,7 +26,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from .fingerprint import fingerprint, fingerprintable
+from .fingerprint import fingerprints
 
 Slot = Tuple[torch.nn.Module, bool, str, torch.Tensor]
 
@@ -75,12 +75,14 @@ class HostCopy:
 
     @staticmethod
     def _content(found: List[Slot]) -> Optional[list]:
-        """A fingerprint per tensor (`None` for a `meta` tensor: it holds no data that could change); `None` in all
-        when some tensor cannot be read."""
-        readable = [t for _, _, _, t in found if t.device.type != "meta"]
-        if not all(fingerprintable(t) for t in readable):
-            return None
-        return [None if t.device.type == "meta" else fingerprint(t) for _, _, _, t in found]
+        """Fingerprints of the tensors, a vector per device (`meta` tensors hold no data that could change), in a
+        fixed order; `None` when some tensor cannot be read."""
+        groups: dict = {}
+        for _, _, _, t in found:
+            if t.device.type != "meta":
+                groups.setdefault(t.device, []).append(t)
+        content = [(device, fingerprints(tensors)) for device, tensors in groups.items()]
+        return None if any(vector is None for _, vector in content) else content
 
     def unchanged(self, module: torch.nn.Module) -> bool:
         """Whether the device tensors are still exactly the ones `seal` saw, unmodified."""
@@ -97,11 +99,9 @@ class HostCopy:
             if is_param and t.grad is not None:
                 return False
         content = self._content(found)
-        if content is None or [c is None for c in content] != [c is None for c in self.content]:
+        if content is None or [d for d, _ in content] != [d for d, _ in self.content]:
             return False
-        now = [c for c in content if c is not None]
-        sealed = [c for c in self.content if c is not None]
-        return not now or bool(torch.equal(torch.stack(now), torch.stack(sealed)))
+        return all(torch.equal(now, sealed) for (_, now), (_, sealed) in zip(content, self.content))
 
     def write_back(self, module: torch.nn.Module) -> bool:
         """Copy the device tensors into the host tensors, in place, and put those back (an eviction that copies but
