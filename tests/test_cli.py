@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 doe = pytest.importorskip("diffusers_offload_ext")
 
@@ -585,3 +586,46 @@ def test_the_console_entry_point_and_the_module_agree():
     assert done.returncode == 2 and json.loads(done.stdout)["exit_code"] == 2
     with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as f:
         assert '"diffusers-offload=diffusers_offload_ext.cli:main"' in f.read()
+
+
+def test_bandwidth_measures_real_copies_on_the_simulated_accelerator():
+    from simulated_accelerator import SimulatedAccelerator
+
+    from diffusers_offload_ext.transfer import bandwidth
+
+    assert bandwidth.measure(torch.device("cpu", 0)) is None  # not CUDA, no way to wait for it: nothing measured
+    with SimulatedAccelerator() as sim:
+        rates = bandwidth.measure(sim.device, nbytes=1 << 20, repeats=2, synchronize=lambda: None, page_locked=False)
+        assert sim.h2d_bytes >= 3 << 20 and sim.d2h_bytes >= 3 << 20  # warm-up and two copies each way crossed
+    assert set(rates) == {"h2d_pageable", "d2h_fresh"} and all(r > 0 for r in rates.values())
+    for bad in (dict(nbytes=1), dict(repeats=0), dict(nbytes=5 << 30)):
+        with pytest.raises(ValueError, match="`nbytes` must be 1 MiB to 4 GiB and `repeats` 1 to 20"):
+            bandwidth.measure(sim.device, synchronize=lambda: None, **bad)
+
+
+def test_doctor_reports_measured_bandwidth_on_a_cuda_machine(capsys, monkeypatch):
+    """CUDA is faked (no GPU here): the device list and the measurement; the report and its plan flags are real."""
+    from diffusers_offload_ext.models.bounds import parse_rate
+    from diffusers_offload_ext.transfer import bandwidth
+
+    class Properties:
+        name, total_memory = "Fake GPU", 80 << 30
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Properties)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (70 << 30, 80 << 30))
+    rates = dict(h2d_pageable=6.7e9, h2d_page_locked=52e9, d2h_fresh=2.3e9, d2h_page_locked=50e9)
+    seen = []
+    monkeypatch.setattr(bandwidth, "measure", lambda device: seen.append(device) or rates)
+    code, out, _ = run_cli(capsys, "doctor", "--json")
+    assert code == 0 and seen == [torch.device("cuda:0")]
+    assert json.loads(out)["bandwidth"] == {"measured": True, "device": "cuda:0", "name": "Fake GPU", **rates}
+    code, out, _ = run_cli(capsys, "doctor")
+    out = " ".join(out.split())  # lines wrap at the terminal's width
+    flags = re.search(r"--h2d-bandwidth (\S+) --d2h-bandwidth (\S+)", out)
+    assert flags and "measured on Fake GPU" in out
+    assert parse_rate(flags.group(1), argument="h2d") == pytest.approx(6.7e9, rel=0.01)
+    assert parse_rate(flags.group(2), argument="d2h") == pytest.approx(2.3e9, rel=0.01)
+    code, out, _ = run_cli(capsys, "doctor", "--json", "--no-bandwidth")
+    assert json.loads(out)["bandwidth"] == {"measured": False, "reason": "skipped (--no-bandwidth)"} and len(seen) == 2

@@ -219,7 +219,7 @@ def _render_real(result: dict, columns: int) -> List[str]:
     lines += output.table(headers, rows, columns, [False] + [True] * 4 + [False])
     lines += output.wrap(
         f"* priced at ASSUMED bandwidths of {h2d} host-to-device and {d2h} device-to-host (not measured; set "
-        "--h2d-bandwidth and --d2h-bandwidth).",
+        "--h2d-bandwidth and --d2h-bandwidth: `diffusers-offload doctor` measures them on a CUDA machine).",
         columns,
         "  ",
     )

@@ -11,6 +11,7 @@ import platform
 from importlib.metadata import PackageNotFoundError, version
 from typing import Dict, List, Optional
 
+from ..models.bounds import format_rate
 from . import output
 
 HELP = "versions, accelerators, whether diffusers has the patch, and what install() would change"
@@ -21,11 +22,12 @@ OVERRIDE = "enable_model_cpu_offload"
 
 def add_parser(commands, common) -> None:
     c = commands.add_parser("doctor", parents=[common], help=HELP, description=HELP + ".")
+    c.add_argument("--no-bandwidth", action="store_true", help="skip measuring copy bandwidth on a CUDA device")
     c.set_defaults(handler=run)
 
 
 def run(args) -> int:
-    report = doctor()
+    report = doctor(measure=not args.no_bandwidth)
     if args.json:
         output.emit_json(report)
     else:
@@ -33,8 +35,9 @@ def run(args) -> int:
     return 0
 
 
-def doctor() -> dict:
-    """The environment report (JSON-ready)."""
+def doctor(measure: bool = True) -> dict:
+    """The environment report (JSON-ready); with `measure`, copy bandwidths on the first CUDA device."""
+    accelerators = _accelerators()
     return {
         "versions": {
             "python": platform.python_version(),
@@ -44,7 +47,8 @@ def doctor() -> dict:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "host_memory": _host_memory(),
-        "accelerators": _accelerators(),
+        "accelerators": accelerators,
+        "bandwidth": _bandwidth(accelerators, measure),
         "upstream_patch": _upstream_patch(),
         "install_would": _install_changes(),
         "demo": _demo_readiness(),
@@ -95,6 +99,21 @@ def _accelerators() -> List[dict]:
             devices.append({"device": f"xpu:{index}", "name": torch.xpu.get_device_name(index),
                             "total_bytes": None, "free_bytes": None})  # fmt: skip
     return devices
+
+
+def _bandwidth(accelerators: List[dict], measure: bool) -> dict:
+    """Measured copy bandwidths (bytes per second) on the first CUDA device, or why there are none."""
+    cuda = [d for d in accelerators if d["device"].startswith("cuda")]
+    if not cuda:
+        return {"measured": False, "reason": "no CUDA device: plan and demo price seconds at assumed bandwidths"}
+    if not measure:
+        return {"measured": False, "reason": "skipped (--no-bandwidth)"}
+    import torch
+
+    from ..transfer import bandwidth
+
+    rates = bandwidth.measure(torch.device(cuda[0]["device"]))
+    return {"measured": True, "device": cuda[0]["device"], "name": cuda[0]["name"], **rates}
 
 
 def _upstream_patch() -> Dict[str, bool]:
@@ -184,6 +203,7 @@ def render(report: dict, columns: int) -> List[str]:
                                        f"{output.gib(device['free_bytes'])} GiB free"])  # fmt: skip
     if not report["accelerators"]:
         rows.append(["accelerators", "none: offload can only target device='cpu' here"])
+    rows += _bandwidth_rows(report["bandwidth"])
     patch = report["upstream_patch"]
     carried = all(patch.values())
     rows.append(["diffusers has the patch", "yes: enable_model_cpu_offload takes " + ", ".join(patch) if carried
@@ -197,6 +217,22 @@ def render(report: dict, columns: int) -> List[str]:
     demo = report["demo"]
     rows.append(["demo", "ready" if demo["ready"] else f"needs {demo['missing']}: {demo['install']}"])
     return _key_values(rows, columns)
+
+
+def _bandwidth_rows(measured: dict) -> List[list]:
+    if not measured["measured"]:
+        return [["bandwidth", "not measured: " + measured["reason"]]]
+    rate = {k: format_rate(v) for k, v in measured.items() if k.startswith(("h2d", "d2h"))}
+    locked = "h2d_page_locked" in rate
+    return [
+        ["host-to-device", f"{rate['h2d_pageable']} pageable"
+         + (f", {rate['h2d_page_locked']} page-locked" if locked else "") + f" (measured on {measured['name']})"],
+        ["device-to-host", f"{rate['d2h_fresh']} into new host memory (module.to('cpu'))"
+         + (f", {rate['d2h_page_locked']} page-locked" if locked else "")],
+        ["plan with them", f"--h2d-bandwidth {rate['h2d_pageable'].replace(' ', '')} "
+         f"--d2h-bandwidth {rate['d2h_fresh'].replace(' ', '')}"
+         " (stock's moves: pageable host memory)"],
+    ]  # fmt: skip
 
 
 def _key_values(rows, columns: int) -> List[str]:

@@ -173,7 +173,8 @@ def _legend(result: dict, columns: int) -> List[str]:
         "setup: moved once when offload is enabled. first: the first generation, setup excluded. later: the mean of "
         "each later generation. mean: the setup and every generation, divided by the generations.",
         f"* s/gen: the mean in seconds, priced at ASSUMED bandwidths of {h2d} host-to-device and {d2h} "
-        "device-to-host (not measured; set --h2d-bandwidth and --d2h-bandwidth).",
+        "device-to-host (not measured; set --h2d-bandwidth and --d2h-bandwidth: `diffusers-offload doctor` measures "
+        "them on a CUDA machine).",
         "peak: most weights on the device at once. fits: yes = peak + reserve <= card; tight = peak <= card; "
         "no = peak > card.",
         f"Call trace: {len(result['call_trace'])} component uses per generation, {result['trace_source']}.",
