@@ -10,7 +10,10 @@ DIRECTIONS = (ONLOAD, OFFLOAD)
 COPY = "copy"
 #: An offload that only released the device copy, because an unchanged host copy was kept (zero-copy eviction).
 DROP = "drop"
-KINDS = (COPY, DROP)
+#: An onload started ahead of use (a policy's decision direction, and the ledger kind of that onload): on a device
+#: with a copy stream it overlaps the running component; before the component runs, its completion is waited on.
+PREFETCH = "prefetch"
+KINDS = (COPY, DROP, PREFETCH)
 
 #: In a recorded trace, the end of a pipeline call (`maybe_free_model_hooks()`).
 END = "<end of call>"

@@ -4,6 +4,7 @@ from .base import NOTHING, Decision, Facts, Move, Overflow, Policy, apply
 from .chain import ChainPolicy
 from .optimum import Optimum, optimal_bytes
 from .prediction import predict_rest
+from .prefetch import PrefetchPolicy
 from .replay import Replay, ReplayedMove, replay, replay_trace
 from .residency import MAX_EXACT, ResidencyPolicy
 
@@ -17,6 +18,7 @@ __all__ = [
     "Optimum",
     "Overflow",
     "Policy",
+    "PrefetchPolicy",
     "Replay",
     "ReplayedMove",
     "ResidencyPolicy",

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import AbstractSet, Callable, FrozenSet, Mapping, NamedTuple, Optional, Tuple
 
-from ..constants import OFFLOAD, ONLOAD
+from ..constants import OFFLOAD, ONLOAD, PREFETCH
 
-#: `(direction, component)`: one move, `direction` being `ONLOAD` or `OFFLOAD`.
+#: `(direction, component)`: one move, `direction` being `ONLOAD`, `OFFLOAD` or `PREFETCH` (an onload ahead of use).
 Move = Tuple[str, str]
 
 
@@ -103,7 +103,7 @@ class Policy:
 def apply(moves, resident: set) -> None:
     """Update `resident` as if `moves` had been carried out."""
     for direction, name in moves:
-        if direction == ONLOAD:
+        if direction in (ONLOAD, PREFETCH):
             resident.add(name)
         else:
             resident.discard(name)

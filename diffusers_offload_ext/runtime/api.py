@@ -162,7 +162,7 @@ def offload_status(pipe) -> OffloadStatus:
     return OffloadStatus(
         enabled=session.active,
         device=str(session.device),
-        policy=type(session.policy).__name__.replace("Policy", "").lower() if session.policy is not None else None,
+        policy=_policy_kind(session.policy),
         components=components,
         resident_bytes=sum(c.nbytes for c in components.values() if c.resident),
         budget=session.budget if session.options.residency else None,
@@ -173,6 +173,12 @@ def offload_status(pipe) -> OffloadStatus:
         options=options,
         pinned_bytes=sum(c.pinned_bytes for c in components.values()),
     )
+
+
+def _policy_kind(policy) -> Optional[str]:
+    if policy is None:
+        return None
+    return getattr(policy, "kind", None) or type(policy).__name__.replace("Policy", "").lower()
 
 
 def _component(session, name: str) -> ComponentStatus:

@@ -11,8 +11,8 @@ from diffusers import DiffusionPipeline
 
 from ..constants import OFFLOAD
 from ..layout import Arrangement, PipelineLayout, modules_of
-from ..policies import ChainPolicy, Facts, ResidencyPolicy
-from ..transfer import ELSEWHERE, MIXED, ON_DEVICE, BOOK, make_transfer, memory, pinned
+from ..policies import ChainPolicy, Facts, PrefetchPolicy, ResidencyPolicy
+from ..transfer import ELSEWHERE, MIXED, ON_DEVICE, BOOK, STREAMED, make_transfer, memory, pinned
 from . import sharing
 from .checks import check_pinning, raise_like_stock
 from .hook import DeferredCpuOffload, OffloadHandle, ours
@@ -147,13 +147,16 @@ def arm(pipe, arming: Arming) -> None:
     quiet_sub_pipelines(pipe)
     STOCK["remove_all_hooks"](pipe)
     restore_exclusion(pipe, session)
+    if session.transfer is not None:
+        session.transfer.flush()
     if session.transfer is not None and session.device != arming.device:
         # Everything this pipeline put on the old device goes home first.
         for name in sorted(session.resident & set(session.modules)):
             session.move(name, OFFLOAD)
         session.transfer = None
-    if session.transfer is None:
-        session.transfer = make_transfer(arming.device)
+    streamed = arming.options.prefetch and arming.device.type in STREAMED
+    if session.transfer is None or session.transfer.asynchronous != streamed:
+        session.transfer = make_transfer(arming.device, prefetch=streamed)
     session.readable = session.transfer.readable
     pinning = arming.options.pin_memory is not False
     session.transfer.pinning = pinned.store_for(arming.device) if pinning else None
@@ -216,7 +219,8 @@ def _policy(session: Session, arming: Arming):
     if not options.residency:
         keep = True if options.keep_all else options.keep
         return ChainPolicy.for_layout(layout, excluded=arrangement.excluded, keep=keep)
-    policy = ResidencyPolicy(
+    kind = PrefetchPolicy if options.prefetch and session.transfer.asynchronous else ResidencyPolicy
+    policy = kind(
         order=layout.order,
         chain=arrangement.chain,
         hooked=arrangement.hooked,

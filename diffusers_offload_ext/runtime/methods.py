@@ -41,6 +41,7 @@ def enable_model_cpu_offload(
     keep_on_device_between_generations: Optional[bool] = None,
     zero_copy_eviction: Optional[bool] = None,
     pin_memory: Union[bool, str, None] = None,
+    prefetch: Optional[bool] = None,
 ) -> None:
     r"""
     Offloads all models to the CPU and moves one model at a time to the accelerator when it runs, like diffusers'
@@ -90,6 +91,11 @@ def enable_model_cpu_offload(
             so that onloads copy at page-locked speed. `"auto"`: where the device supports it (CUDA); `True`: raise
             where it does not. The host copies are kept while components are on the device, and an eviction that
             must copy writes into them. Opt-in until measured on a GPU.
+        prefetch (`bool`, *optional*, defaults to `False`):
+            With the residency manager: while a component runs, start the onload of the one the previous call ran
+            next, on a CUDA copy stream, when the budget has room for both (counted from that moment); the compute
+            stream waits for it before that component runs. Elsewhere onloads stay as they are. Opt-in until
+            measured on a GPU.
 
     Raises:
         `TypeError`: an argument of the wrong type.
@@ -129,8 +135,10 @@ def remove_all_hooks(self) -> None:
     Removes all hooks added by `enable_sequential_cpu_offload` or `enable_model_cpu_offload` (stock's), and forgets
     this extension's instance-level `_exclude_from_cpu_offload`. Components stay where they are.
     """
-    STOCK["remove_all_hooks"](self)
     session = get_session(self)
+    if session is not None and session.transfer is not None:
+        session.transfer.flush()
+    STOCK["remove_all_hooks"](self)
     if session is not None:
         session.active = False
         restore_exclusion(self, session)
@@ -142,8 +150,10 @@ def to(self, *args, **kwargs):
     Stock's `DiffusionPipeline.to`; afterwards the extension's record of what is on the execution device follows the
     explicit move. Explicit moves are the caller's and are not in the transfer ledger.
     """
-    result = STOCK["to"](self, *args, **kwargs)
     session = get_session(self)
+    if session is not None and session.transfer is not None:
+        session.transfer.flush()  # no move from outside reads weights a prefetch is still writing
+    result = STOCK["to"](self, *args, **kwargs)
     if session is not None and session.transfer is not None:
         target = kwargs.get("device")
         for arg in args:

@@ -11,10 +11,12 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from diffusers.utils import logging
 
+
 from ..constants import DEFAULT_RESERVE
 from ..transfer import memory
 from ..layout import modules_of
 from ..units import MAX_BYTES, UNIT_NAMES, SizeError, format_size, parse_size
+from .transfer_options import how_bytes_move
 
 EXCLUDE = "exclude_from_offload"
 KEEP = "keep_on_device_during_generation"
@@ -22,7 +24,6 @@ BUDGET = "memory_budget"
 RESERVE = "memory_reserve"
 KEEP_BETWEEN = "keep_on_device_between_generations"
 ZERO_COPY = "zero_copy_eviction"
-PIN = "pin_memory"
 #: `memory_budget="auto"` clears an explicit budget (the automatic one applies again).
 AUTO = "auto"
 
@@ -43,6 +44,7 @@ class OffloadOptions:
         keep_between (`bool`, defaults to `False`): `keep_on_device_between_generations`.
         zero_copy (`bool`, *optional*): `zero_copy_eviction`; `None` (not set): on with the residency manager only.
         pin_memory (`bool` or `"auto"`, defaults to `False`): `pin_memory`.
+        prefetch (`bool`, defaults to `False`): `prefetch`.
     """
 
     exclude_from_offload: Tuple[str, ...] = ()
@@ -53,6 +55,7 @@ class OffloadOptions:
     keep_between: bool = False
     zero_copy: Optional[bool] = None
     pin_memory: Union[bool, str] = False
+    prefetch: bool = False
 
     @property
     def residency(self) -> bool:
@@ -134,18 +137,6 @@ def _size(argument: str, value: Any, example: str) -> int:
     return nbytes
 
 
-def _pin(value: Any) -> Union[bool, str]:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() == AUTO:
-        return AUTO
-    kind = ValueError if isinstance(value, str) else TypeError
-    raise kind(
-        f'`{PIN}` must be True, False or "auto" (page-lock where the device supports it), got {value!r}. Pass '
-        f'`{PIN}="auto"` to page-lock the host copies on CUDA.'
-    )
-
-
 def _flag(argument: str, value: Any, previous: Optional[bool]) -> Optional[bool]:
     if value is None:
         return previous
@@ -165,6 +156,7 @@ def resolve_options(
     keep_on_device_between_generations: Any = None,
     zero_copy_eviction: Any = None,
     pin_memory: Any = None,
+    prefetch: Any = None,
 ) -> OffloadOptions:
     """Validate the new arguments and merge them with the ones in force (`None` keeps what was set before).
 
@@ -183,7 +175,7 @@ def resolve_options(
     keep_between = _flag(KEEP_BETWEEN, keep_on_device_between_generations, previous.keep_between)
     zero_copy = _flag(ZERO_COPY, zero_copy_eviction, previous.zero_copy)
     residency = dict(memory_budget=budget, memory_reserve=reserve, keep_between=keep_between, zero_copy=zero_copy)
-    residency["pin_memory"] = previous.pin_memory if pin_memory is None else _pin(pin_memory)
+    residency.update(how_bytes_move(previous, pin_memory, prefetch, budget is not None or keep_between))
 
     if exclude_from_offload is None:
         exclude = tuple(n for n in previous.exclude_from_offload if isinstance(components.get(n), torch.nn.Module))

@@ -25,6 +25,7 @@ NEW_OPTIONS = (
     "keep_on_device_between_generations",
     "zero_copy_eviction",
     "pin_memory",
+    "prefetch",
 )
 #: Set on an adapted override, pointing to the class's own method.
 ADAPTED = "__offload_ext_adapts__"
@@ -159,6 +160,7 @@ def adapt(original):
         keep_on_device_between_generations=None,
         zero_copy_eviction=None,
         pin_memory=None,
+        prefetch=None,
     ):
         from .arming import get_session
         from .methods import METHODS

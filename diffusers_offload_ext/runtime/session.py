@@ -11,7 +11,7 @@ import torch
 from diffusers.utils import logging
 
 from ..calls import CallTracker
-from ..constants import ONLOAD
+from ..constants import ONLOAD, PREFETCH
 from ..observe.ledger import TransferLedger, TransferRecord
 from ..policies import NOTHING, Decision, Facts, Policy
 from ..transfer import MIXED, ON_DEVICE, ON_HOST, Transfer, pinned
@@ -104,6 +104,8 @@ class Session:
         decision = self.policy.on_use(name, self.resident, self.facts)
         if decision is not NOTHING:
             self.carry_out(decision)
+        if self.transfer.pending:
+            self.transfer.ready(self.modules[name])
 
     def request_offload(self, name: str) -> None:
         if self.policy is not None and name in self.modules:
@@ -125,16 +127,19 @@ class Session:
     def move(self, name: str, direction: str) -> None:
         """Move one component through the transfer and record it; every pipeline holding it learns where it is."""
         module = self.modules[name]
+        ahead, direction = direction == PREFETCH, ONLOAD if direction == PREFETCH else direction
         finishers = [observer(name, direction, module) for observer in self.observers]
         with torch.profiler.record_function(f"diffusers_offload_ext::{direction}::{name}"):
             if direction == ONLOAD:
                 pinning = self.transfer.pinning is not None
                 keep_host = (self.options.drops or pinning) and name not in self.policy.stays
-                moved = self.transfer.onload(module, keep_host=keep_host, check=self.options.drops)
+                onload = self.transfer.prefetch if ahead else self.transfer.onload
+                moved = onload(module, keep_host=keep_host, check=self.options.drops)
             else:
                 moved = self.transfer.offload(module)
         placed(module, direction == ONLOAD, self)
-        record = TransferRecord(name, direction, moved.nbytes, self.calls.index, moved.kind, self.calls.step)
+        kind = PREFETCH if ahead else moved.kind
+        record = TransferRecord(name, direction, moved.nbytes, self.calls.index, kind, self.calls.step)
         self.ledger.append(record)
         for finish in finishers:
             finish(record)

@@ -3,7 +3,7 @@ torch devices (besides timing). `make_transfer` picks the implementation for a d
 
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import Callable, Dict, List
 
 import torch
 
@@ -18,12 +18,27 @@ from .synchronous import SyncTransfer
 _wrappers: List[Callable[[Transfer], Transfer]] = []
 
 
-def make_transfer(device: torch.device) -> Transfer:
-    """The transfer for `device`: today a `SyncTransfer` (blocking `.to()`), wrapped by any registered wrapper."""
-    transfer: Transfer = SyncTransfer(device)
+#: Device type -> the transfer whose prefetches overlap compute (`prefetch=True`). Tests add a fake for `cpu`.
+STREAMED: Dict[str, Callable[[torch.device], Transfer]] = {}
+
+
+def make_transfer(device: torch.device, prefetch: bool = False) -> Transfer:
+    """The transfer for `device`: a `SyncTransfer` (blocking `.to()`), or with `prefetch` where the device has a copy
+    stream a `StreamTransfer`; wrapped by any registered wrapper."""
+    factory = STREAMED.get(device.type) if prefetch else None
+    transfer: Transfer = factory(device) if factory is not None else SyncTransfer(device)
     for wrap in _wrappers:
         transfer = wrap(transfer)
     return transfer
+
+
+def _streamed_cuda(device: torch.device) -> Transfer:
+    from .streams import StreamTransfer
+
+    return StreamTransfer(device)
+
+
+STREAMED["cuda"] = _streamed_cuda
 
 
 __all__ = [
@@ -41,6 +56,7 @@ __all__ = [
     "HostCopy",
     "Moved",
     "RecordingTransfer",
+    "STREAMED",
     "SyncTransfer",
     "Transfer",
     "first_tensor",

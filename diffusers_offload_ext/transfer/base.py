@@ -112,3 +112,20 @@ class Transfer:
     def offload(self, module: torch.nn.Module) -> Moved:
         """Move `module` to the host: drop the device copy when an unchanged host copy was kept, else copy."""
         raise NotImplementedError
+
+    # -- moves ahead of use (a transfer with a copy stream overrides these) ----------------------------------------
+    #: Whether `prefetch` overlaps the running component (else it is an ordinary onload, made at once).
+    asynchronous = False
+
+    def prefetch(self, module: torch.nn.Module, *, keep_host: bool, check: bool = True) -> Moved:
+        """Start moving `module` to the device ahead of its use; `ready(module)` before it runs."""
+        return self.onload(module, keep_host=keep_host, check=check)
+
+    #: Whether some prefetch may not be complete yet (a plain attribute here: read on every forward).
+    pending = False
+
+    def ready(self, module: torch.nn.Module) -> None:
+        """Make the work that follows on the caller's stream wait until `module`'s prefetch is complete."""
+
+    def flush(self) -> None:
+        """`ready` for every pending prefetch (before moves made outside the extension, and at a call's end)."""

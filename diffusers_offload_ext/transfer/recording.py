@@ -10,7 +10,8 @@ from .base import Moved, Transfer
 
 
 class Call(NamedTuple):
-    """One call a `RecordingTransfer` saw: `op` (`"onload"` or `"offload"`), the module, and what it returned."""
+    """One call a `RecordingTransfer` saw: `op` (`"onload"`, `"offload"` or `"prefetch"`), the module, and what it
+    returned."""
 
     op: str
     module: torch.nn.Module
@@ -49,3 +50,22 @@ class RecordingTransfer(Transfer):
         moved = self.inner.offload(module)
         self.calls.append(Call("offload", module, moved))
         return moved
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.inner.asynchronous
+
+    def prefetch(self, module: torch.nn.Module, *, keep_host: bool, check: bool = True) -> Moved:
+        moved = self.inner.prefetch(module, keep_host=keep_host, check=check)
+        self.calls.append(Call("prefetch", module, moved))
+        return moved
+
+    @property
+    def pending(self) -> bool:
+        return self.inner.pending
+
+    def ready(self, module: torch.nn.Module) -> None:
+        self.inner.ready(module)
+
+    def flush(self) -> None:
+        self.inner.flush()

@@ -13,7 +13,9 @@ from .host_copy import HostCopy
 class SyncTransfer(Transfer):
     """One `module.to(device)` per onload, one `module.to("cpu")` (or a drop) per offload, on the caller's stream."""
 
-    def onload(self, module: torch.nn.Module, *, keep_host: bool, check: bool = True) -> Moved:
+    def onload(
+        self, module: torch.nn.Module, *, keep_host: bool, check: bool = True, non_blocking: bool = False
+    ) -> Moved:
         entry = self.book.entry(module)
         if entry.dirty:
             self.book.refresh(module, entry)
@@ -26,7 +28,7 @@ class SyncTransfer(Transfer):
             elif not keep_host:
                 self.pinning.release(module)  # it stays on the device: its host memory goes
         host_copy = HostCopy(module, check) if keep_host and entry.host_copy is None else entry.host_copy
-        module.to(self.device)
+        module.to(self.device, non_blocking=non_blocking)
         if host_copy is not None and host_copy is not entry.host_copy:
             host_copy.seal(module)
         entry.host_copy = host_copy if keep_host else None
@@ -35,6 +37,7 @@ class SyncTransfer(Transfer):
         return Moved(nbytes, COPY)
 
     def offload(self, module: torch.nn.Module) -> Moved:
+        self.ready(module)  # never evict what a pending copy is still writing
         entry = self.book.entry(module)
         if entry.dirty:
             self.book.refresh(module, entry)
