@@ -16,7 +16,8 @@ from ..transfer import ELSEWHERE, MIXED, ON_DEVICE, BOOK, STREAMED, make_transfe
 from . import sharing
 from .checks import check_pinning, raise_like_stock
 from .hook import DeferredCpuOffload, OffloadHandle, ours
-from .options import OffloadOptions, resolve_budget, resolve_device, resolve_options
+from .devices import resolve_device
+from .options import OffloadOptions, resolve_budget, resolve_options
 from .overrides import layout_of, mirror_exclusion, quiet_sub_pipelines, restore_mirrored
 from .session import Session, Sizes
 
