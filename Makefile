@@ -11,7 +11,7 @@ DIFFUSERS_SDIST_VERSION := 0.42.1
 # (hf-doc-builder imports requests without requiring it)
 PATCH_TOOLS := ruff==0.9.10 hf-doc-builder==0.5.0 requests
 PATCH_SDISTS := build/sdist/diffusers-0.42.1.tar.gz build/sdist/diffusers-0.40.0.tar.gz
-BLACK_PATHS := setup.py diffusers_offload_ext tests $(wildcard benchmarks)
+BLACK_PATHS := setup.py diffusers_offload_ext tests $(wildcard benchmarks tools)
 PYTEST := -p no:cacheprovider -q
 
 .PHONY: demo test test-serial test-new test-old test-patched lint clean check-patches test-patch-diffusers
