@@ -11,6 +11,7 @@ pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the patch's ov
 
 import diffusers  # noqa: E402
 import diffusers_offload_ext as doe  # noqa: E402
+import toy  # noqa: E402
 from diffusers import DiffusionPipeline  # noqa: E402
 from diffusers_offload_ext.runtime.overrides import ADAPTED, combined_layout, own_override, support  # noqa: E402
 
@@ -176,3 +177,37 @@ def test_a_combined_pipeline_without_options_keeps_its_own_offload(installed):
     assert not doe.offload_status(pipe).enabled
     assert pipe.prior_pipe._all_hooks and pipe.decoder_pipe._all_hooks
     assert (tiny_combined.run(pipe) - kandinsky_reference()).abs().max() <= 1e-3
+
+
+class NoChain(toy.TracePipeline):
+    """Like diffusers' `LTXLatentUpsamplePipeline`: `model_cpu_offload_seq = ""`, which stock accepts (every model is
+    then hooked outside the chain)."""
+
+    model_cpu_offload_seq = ""
+
+
+class PlainTo(toy.Block):
+    """Like StableUnCLIP's image normalizer: a component whose own `.to()` takes no `non_blocking`."""
+
+    def to(self, *args):
+        return super().to(*args)
+
+
+@pytest.mark.parametrize("option", [{}, {"keep_on_device_during_generation": True}, {"memory_budget": "1MiB"}])
+def test_an_empty_sequence_is_accepted_as_in_stock(installed, accelerator, option):
+    pipe = toy.build(NoChain)
+    pipe.enable_model_cpu_offload(device="cpu", **option)
+    status = doe.offload_status(pipe)
+    assert status.enabled and status.chain == ()
+    assert {c.role for n, c in status.components.items() if n != "safety_checker"} <= {"outside chain", "kept"}
+    pipe(["text_encoder", "transformer", "vae"])  # on the simulator a layer on host weights would raise
+    assert not {n for n, c in doe.offload_status(pipe).components.items() if c.resident} - {"safety_checker"}
+
+
+def test_a_component_whose_to_takes_no_non_blocking(installed, accelerator):
+    pipe = toy.build()
+    pipe.register_modules(controlnet=PlainTo(toy.WIDTHS["controlnet"]))
+    pipe.enable_model_cpu_offload(device="cpu", zero_copy_eviction=True, keep_on_device_during_generation=True)
+    pipe(["text_encoder", "controlnet", "transformer", "vae"])
+    kinds = {r.component: r.kind for r in doe.transfer_ledger(pipe).records if r.direction == "offload"}
+    assert kinds["controlnet"] == "drop"

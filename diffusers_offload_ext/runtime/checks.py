@@ -26,7 +26,8 @@ def raise_like_stock(pipe, layout: PipelineLayout) -> None:
             "`enable_model_cpu_offload() isn't allowed. You can call `reset_device_map()` first and then call "
             "`enable_model_cpu_offload()`."
         )
-    if not layout.sequence:
+    if not layout.sequence and getattr(pipe, "model_cpu_offload_seq", None) is None:
+        # An empty sequence is allowed, as in stock: every model is then hooked outside the chain.
         raise ValueError(
             "Model CPU offload cannot be enabled because no `model_cpu_offload_seq` class attribute is set."
         )

@@ -28,7 +28,8 @@ class SyncTransfer(Transfer):
             elif not keep_host:
                 self.pinning.release(module)  # it stays on the device: its host memory goes
         host_copy = HostCopy(module, check) if keep_host and entry.host_copy is None else entry.host_copy
-        module.to(self.device, non_blocking=non_blocking)
+        # Only asked for when needed: some components' own `.to()` takes no `non_blocking` (StableUnCLIP's normalizer).
+        module.to(self.device, non_blocking=True) if non_blocking else module.to(self.device)
         if host_copy is not None and host_copy is not entry.host_copy:
             host_copy.seal(module)
         entry.host_copy = host_copy if keep_host else None
