@@ -1,236 +1,384 @@
-"""Seconds per image of every offload configuration on a real-size model with random weights, against no offload in
-the same run, on a CUDA GPU: the benchmark behind `docs/benchmarks-gpu.md`.
+"""Seconds per image of every offload configuration on a shipped model spec at real size with random weights on a
+CUDA GPU, against no offload measured in the same run: the benchmark behind `docs/benchmarks-gpu.md`.
 
-The pipeline is the shipped model spec's (`diffusers-offload plan --list`): its components built from their configs
-with random weights (nothing is downloaded), its tokenizers and scheduler those of the tiny pipeline of the same
-class. Each configuration runs `--calls` calls on the same weights; the first call is reported apart, the others as
-min-max. Bytes are what `doe.trace` saw cross the bus; page-locked bytes are `doe.offload_status`'s.
+The pipeline is built from the spec's configs (`benchmarks/realscale_build.py`; nothing is downloaded): the
+components at real size with random weights, made on the GPU one at a time and kept on the host; tokenizers and
+scheduler are the tiny pipeline's stand-ins, prompts go through the real-size text encoders. Every configuration
+runs on a fresh pipeline object over the same component modules, reset in between (hooks removed, weights back on
+the host, cache emptied, peak memory statistics reset). One untimed call without offload warms the GPU up first.
+
+Per configuration: `--calls` timed calls; the first is reported apart, the others as min-max seconds per image; peak
+allocated memory; bytes that crossed the bus per steady call (this package's configurations: the transfer ledger;
+the others: `doe.trace` over one more, untimed call); page-locked host bytes; the ratio of the fastest steady call to
+the fastest steady call without offload. Nothing is priced from an assumed bandwidth. A configuration that runs out
+of memory is reported as such. Diffusers' group offloading runs last (its hooks are not removed afterwards).
 
     python benchmarks/realscale.py --model flux-dev --write docs/benchmarks-gpu.md
-    python benchmarks/realscale.py --scale tiny --model flux-dev      # the same code on the CPU, tiny weights
+    python benchmarks/realscale.py --model wan2.1-t2v-14b --frames 17 --json
+    python benchmarks/realscale.py --scale tiny --model flux-dev    # the same code on the CPU, tiny weights
 
 Without CUDA (and without `--scale tiny`) it says so and exits 0. Tiny-scale CPU times are not benchmark figures.
+Exit status: 0, 1 when a configuration failed with an error other than running out of memory, 2 for bad options.
 """
 
 import argparse
-import datetime
+import contextlib
+import gc
 import json
-import platform
+import os
 import sys
 import time
+import traceback
+from typing import NamedTuple
 
 import torch
 
 import diffusers_offload_ext as doe
 from diffusers_offload_ext.models.specs import load_spec, shipped_models
-from diffusers_offload_ext.units import format_size
+from diffusers_offload_ext.testing import tiny
+from diffusers_offload_ext.units import SizeError, format_size, parse_size
 
-#: Configuration -> keyword arguments of `enable_model_cpu_offload` (`None`: no offload; a str: diffusers' own).
-CONFIGS = {
-    "no offload": None,
-    "stock": {},
-    "exclude denoiser": {"exclude_from_offload": "{denoiser}"},
-    "keep during generation": {"keep_on_device_during_generation": True},
-    "defaults, eviction without copies": {"zero_copy_eviction": True},
-    "defaults, page-locked": {"zero_copy_eviction": True, "pin_memory": True},
-    "keep during generation, page-locked": {"keep_on_device_during_generation": True, "pin_memory": True},
-    "residency, everything fits": {"keep_on_device_between_generations": True},
-    "residency 26GiB": {"memory_budget": "26GiB", "keep_on_device_between_generations": True},
-    "residency 26GiB, page-locked, prefetch": {
-        "memory_budget": "26GiB",
-        "keep_on_device_between_generations": True,
-        "pin_memory": True,
-        "prefetch": True,
-    },
-    "group offload (block level, streams)": "group",
-}
-CUDA_ONLY = {"pin_memory", "prefetch"}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import realscale_build as build  # noqa: E402  (next to this file; importable when loaded by path)
+
+TINY_NOTE = "Tiny pipeline on the CPU: these times only exercise the code path; they are not benchmark figures."
+MEASURED_NOTE = "Every figure is measured in this run; none is priced from an assumed bandwidth."
+DENOISERS = "<denoisers>"  # replaced by the spec's denoiser names
+BUDGET = "<budget>"  # replaced by --budget
+SEED = 0  # every call makes the same image
+LEGEND = (
+    "x no offload: the fastest steady call over the fastest steady call without offload, in this run. Moved: bytes "
+    "that crossed the bus (an eviction that only drops the device copy moves none). Moved in the first call, "
+    "setup included, and page-locked host bytes: this package's configurations only (the transfer ledger and "
+    "`doe.offload_status`); `-`: not known for the others."
+)
 
 
-def build(model: str, scale: str, device: torch.device):
-    """The pipeline of `model`'s spec, on the host; real size with random weights, or the tiny pipeline."""
-    from diffusers_offload_ext.testing import tiny
-
-    spec = load_spec(model)
-    small = tiny.build(spec["tiny"])
-    if scale == "tiny":
-        return small, spec
-    modules = {}
-    for name, entry in spec["components"].items():
-        modules[name] = _random(entry, device).to("cpu")
-        torch.cuda.empty_cache()
-    return type(small)(**{**small.components, **modules}), spec
+class Config(NamedTuple):
+    key: str
+    kind: str  # "none", "stock", "ours", "group", "sequential"
+    options: dict
 
 
-def _random(entry: dict, device: torch.device) -> torch.nn.Module:
-    import importlib
-
-    cls = getattr(importlib.import_module(entry["library"]), entry["class"])
-    dtype = getattr(torch, entry.get("dtype", "bfloat16"))
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            if entry["library"] == "diffusers":
-                return cls.from_config(entry["config"]).eval()
-            return cls(cls.config_class(**entry["config"])).eval()
-    finally:
-        torch.set_default_dtype(default)
-
-
-def prepare(pipe, name: str, options, spec: dict, device: torch.device) -> bool:
-    """Put `pipe` in configuration `name`; False (with nothing changed) where the device cannot run it."""
-    if options is None:
-        pipe.to(device)
-        return True
-    if options == "group":
-        if device.type != "cuda" or not hasattr(pipe, "enable_group_offload"):
-            return False
-        doe.uninstall()
-        pipe.enable_group_offload(device, offload_type="block_level", num_blocks_per_group=1, use_stream=True)
-        return True
-    if device.type != "cuda" and CUDA_ONLY & set(options):
-        return False
-    kwargs = {k: (v.format(denoiser=spec["denoisers"][0]) if isinstance(v, str) else v) for k, v in options.items()}
-    if name == "stock":
-        doe.uninstall()
-    else:
-        doe.install()
-    pipe.enable_model_cpu_offload(device=device, **kwargs)
-    return True
+CONFIGS = (
+    Config("no-offload", "none", {}),
+    Config("stock", "stock", {}),
+    Config("exclude", "ours", {"exclude_from_offload": DENOISERS}),
+    Config("keep", "ours", {"keep_on_device_during_generation": True}),
+    Config("residency-fits", "ours", {"keep_on_device_between_generations": True}),
+    Config("residency-budget", "ours", {"memory_budget": BUDGET, "keep_on_device_between_generations": True}),
+    Config("zero-copy", "ours", {"zero_copy_eviction": True}),
+    Config("zero-copy-exclude", "ours", {"exclude_from_offload": DENOISERS, "zero_copy_eviction": True}),
+    Config("zero-copy-keep", "ours", {"keep_on_device_during_generation": True, "zero_copy_eviction": True}),
+    Config("pinned-zero-copy", "ours", {"zero_copy_eviction": True, "pin_memory": True}),
+    Config("pinned-keep", "ours", {"keep_on_device_during_generation": True, "pin_memory": True}),
+    Config(
+        "pinned-residency-budget-prefetch",
+        "ours",
+        {"memory_budget": BUDGET, "keep_on_device_between_generations": True, "pin_memory": True, "prefetch": True},
+    ),
+    Config("sequential", "sequential", {}),
+    Config("group", "group", {"offload_type": "block_level", "num_blocks_per_group": 1, "use_stream": True}),
+)
 
 
-def reset(pipe) -> None:
-    if doe.is_installed():
-        doe.release(pipe)
-    pipe.remove_all_hooks()
-    if hasattr(pipe, "disable_group_offload"):
-        try:
-            pipe.disable_group_offload()
-        except Exception:  # not group offloaded
-            pass
-    pipe.to("cpu")
+def resolve(options: dict, spec: dict, args) -> dict:
+    """`options` with the placeholders replaced by this run's denoisers and budget."""
+    values = {DENOISERS: list(spec["denoisers"]), BUDGET: args.budget}
+    return {k: values.get(v, v) if isinstance(v, str) else v for k, v in options.items()}
+
+
+def label(config: Config, options: dict) -> str:
+    """The call a configuration makes, as a user would write it."""
+    arguments = ", ".join(f"{k}={v!r}" for k, v in options.items())
+    return {
+        "none": "pipe.to(device) (no offload)",
+        "stock": "enable_model_cpu_offload() (stock diffusers)",
+        "ours": f"enable_model_cpu_offload({arguments})",
+        "sequential": "enable_sequential_cpu_offload() (stock diffusers)",
+        "group": f"enable_group_offload(device, {arguments}) (diffusers)",
+    }[config.kind]
+
+
+def skip_reason(config: Config, options: dict, device: torch.device, args):
+    """Why `config` does not run here, or `None`."""
+    from diffusers import DiffusionPipeline, __version__
+
+    if config.kind == "sequential" and not args.sequential:
+        return "slow at real scale: pass --sequential to run it"
+    if config.kind == "sequential" and device.type != "cuda":
+        return "CUDA only: accelerate's sequential offload fails with the CPU as execution device"
+    if config.kind == "group" and not hasattr(DiffusionPipeline, "enable_group_offload"):
+        return f"diffusers {__version__} has no DiffusionPipeline.enable_group_offload"
+    if config.kind == "group" and device.type != "cuda":
+        return "group offloading with use_stream=True needs CUDA streams: skipped on the CPU"
+    if options.get("pin_memory") and device.type != "cuda":
+        return "pin_memory=True page-locks host memory for CUDA copies: skipped on the CPU"
+    return None
+
+
+@contextlib.contextmanager
+def stock_diffusers():
+    """Stock `DiffusionPipeline` methods for the duration (this package's configurations use `doe.OffloadMixin`);
+    the global install state is restored afterwards."""
+    was_installed = doe.is_installed()
     doe.uninstall()
-    if torch.cuda.is_available():
+    try:
+        yield
+    finally:
+        if was_installed:
+            doe.install()
+
+
+def fresh(base, config: Config):
+    """A new pipeline object over `base`'s component modules: stock class, or with this package's mixin."""
+    cls = type(base)
+    if config.kind == "ours":
+        cls = type(f"Offload{cls.__name__}", (doe.OffloadMixin, cls), {})
+    pipe = cls(**base.components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def prepare(pipe, config: Config, options: dict, device: torch.device) -> None:
+    """Put `pipe` in `config`."""
+    if config.kind == "none":
+        pipe.to(device)
+    elif config.kind == "sequential":
+        pipe.enable_sequential_cpu_offload(device=device)
+    elif config.kind == "group":
+        pipe.enable_group_offload(device, **options)
+    else:
+        pipe.enable_model_cpu_offload(device=device, **options)
+
+
+def reset(pipe, config: Config, device: torch.device) -> None:
+    """Hooks removed and weights back on the host (group offloading, which runs last, is left as it is)."""
+    if config.kind != "group":
+        if config.kind == "ours":
+            doe.release(pipe)
+        pipe.remove_all_hooks()
+        pipe.to("cpu")
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
-def measure(pipe, kwargs: dict, calls: int, device: torch.device) -> dict:
+def timed_calls(pipe, make_kwargs, calls: int, device: torch.device) -> list:
+    """Wall-clock seconds of each of `calls` calls, the device synchronised at the end of each."""
     seconds = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        pipe(**make_kwargs())
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def moved_bytes(pipe, config: Config, make_kwargs, calls: int) -> dict:
+    """Bytes that crossed the bus: the ledger's for this package's configurations, else `doe.trace`'s over one more
+    (untimed) call."""
+    if config.kind == "ours":
+        per_call = doe.transfer_ledger(pipe).summary()["per_call"]
+        empty = {"total_bytes": 0, "dropped_bytes": 0}
+        steady, setup = per_call.get(calls - 1, empty), per_call.get(None, empty)
+        return {
+            "moved_steady_bytes": steady["total_bytes"],
+            "dropped_steady_bytes": steady["dropped_bytes"],
+            "moved_first_bytes": setup["total_bytes"] + per_call.get(0, empty)["total_bytes"],
+            "pinned_bytes": doe.offload_status(pipe).pinned_bytes,
+            "bytes_source": "transfer ledger",
+        }
     with doe.trace(pipe) as trace:
-        for _ in range(calls):
-            start = time.perf_counter()
-            pipe(**kwargs)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            seconds.append(time.perf_counter() - start)
-    total = trace.summary()["total"]
-    status = doe.offload_status(pipe) if doe.is_installed() else None
-    return {
-        "first_s": seconds[0],
-        "steady_s": [min(seconds[1:]), max(seconds[1:])] if calls > 1 else None,
-        "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
-        "moved_bytes": total["onload_bytes"] + total["offload_bytes"],
-        "page_locked_bytes": status.pinned_bytes if status is not None else 0,
-    }
+        pipe(**make_kwargs())
+    summary = trace.summary()
+    source = "doe.trace, observed"
+    if summary["replayed"]:
+        source = "doe.trace, replayed from stock's policy (the CPU shows no moves): predicted, not measured"
+    total = summary["total"]
+    return {"moved_steady_bytes": total["total_bytes"], "dropped_steady_bytes": total["dropped_bytes"],
+            "moved_first_bytes": None, "pinned_bytes": None, "bytes_source": source}  # fmt: skip
 
 
-def run(args) -> dict:
-    device = torch.device("cuda", 0) if args.scale == "real" else torch.device("cpu", 0)
-    pipe, spec = build(args.model, args.scale, device)
-    from diffusers_offload_ext.testing import tiny
+def measure(base, config: Config, spec: dict, args, device: torch.device, make_kwargs) -> dict:
+    """One row: the configuration prepared on a fresh pipeline, timed, its bytes counted, then reset."""
+    options = resolve(config.options, spec, args)
+    row = {"key": config.key, "label": label(config, options), "status": "ok"}
+    reason = skip_reason(config, options, device, args)
+    if reason is not None:
+        return {**row, "status": "skipped", "reason": reason}
+    pipe = fresh(base, config)
+    try:
+        prepare(pipe, config, options, device)
+        seconds = timed_calls(pipe, make_kwargs, args.calls, device)
+        row.update(seconds=seconds, first_s=seconds[0], steady_s=[min(seconds[1:]), max(seconds[1:])])
+        row.update(moved_bytes(pipe, config, make_kwargs, args.calls))
+        row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    except torch.cuda.OutOfMemoryError as error:
+        row = {**row, "status": "out of memory", "reason": str(error).splitlines()[0][:160]}
+    except Exception as error:  # reported in the table; the run goes on and exits 1
+        traceback.print_exc(file=sys.stderr)
+        row = {**row, "status": "error", "reason": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
+    try:
+        reset(pipe, config, device)
+    except Exception as error:  # the weights' state is unknown: no later configuration can run on them
+        traceback.print_exc(file=sys.stderr)
+        row["reset_failed"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    return row
 
-    kwargs = tiny.call_kwargs(spec["tiny"], pipe=pipe)
-    if args.scale == "real":
-        kwargs.update(height=args.size, width=args.size, num_inference_steps=args.steps)
-    rows = {}
-    for name, options in CONFIGS.items():
-        if not prepare(pipe, name, options, spec, device):
-            rows[name] = {"skipped": "needs CUDA" if device.type != "cuda" else "not in this diffusers"}
-            continue
-        try:
-            rows[name] = measure(pipe, kwargs, args.calls, device)
-        except torch.cuda.OutOfMemoryError as error:
-            rows[name] = {"skipped": f"out of memory: {str(error).splitlines()[0][:80]}"}
-        reset(pipe)
-    base = rows["no offload"].get("steady_s") or [rows["no offload"]["first_s"]]
-    for row in rows.values():
-        if "first_s" in row:
-            steady = row["steady_s"] or [row["first_s"]]
-            row["ratio_to_no_offload"] = steady[0] / base[0]
-    return {"header": header(args, device), "rows": rows}
+
+def measure_all(base, spec: dict, args, device: torch.device, make_kwargs) -> list:
+    """A row per configuration, in order; after a reset that failed the others are not run."""
+    rows = []
+    for config in CONFIGS:
+        if rows and "reset_failed" in rows[-1]:
+            why = f"not run: resetting {rows[-1]['key']!r} failed ({rows[-1]['reset_failed']})"
+            rows.append({"key": config.key, "label": label(config, resolve(config.options, spec, args)),
+                         "status": "error", "reason": why})  # fmt: skip
+        else:
+            rows.append(measure(base, config, spec, args, device, make_kwargs))
+    return rows
 
 
-def header(args, device: torch.device) -> dict:
-    import accelerate
-    import diffusers
+def warm_up(base, make_kwargs, device: torch.device) -> str:
+    """One untimed call without offload, so that no configuration pays for the first kernels."""
+    pipe = fresh(base, CONFIGS[0])
+    try:
+        pipe.to(device)
+        pipe(**make_kwargs())
+        return "one untimed call without offload before the first configuration"
+    except torch.cuda.OutOfMemoryError:
+        return "no warm-up call: the pipeline does not fit on the device without offload"
+    finally:
+        reset(pipe, CONFIGS[0], device)
 
-    return {
-        "model": args.model,
-        "scale": args.scale,
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU ({platform.processor() or '?'})",
-        "cuda": torch.version.cuda,
-        "versions": {
-            "torch": torch.__version__,
-            "diffusers": diffusers.__version__,
-            "accelerate": accelerate.__version__,
-        },
-        "date": datetime.date.today().isoformat(),
-        "command": "python benchmarks/realscale.py " + " ".join(sys.argv[1:]),
-        "calls": args.calls,
-        "note": None if args.scale == "real" else "tiny weights on the CPU: these times are not benchmark figures",
-    }
+
+def add_ratios(rows: list) -> None:
+    """`ratio`: a row's fastest steady call over the fastest steady call without offload, from the same run."""
+    base = next((r for r in rows if r["key"] == "no-offload" and r["status"] == "ok"), None)
+    for row in rows:
+        if row["status"] == "ok":
+            row["ratio"] = row["steady_s"][0] / base["steady_s"][0] if base is not None else None
+
+
+def run(args, argv) -> dict:
+    """Every configuration on `args.model`: `{"header": ..., "rows": [...]}`."""
+    device = torch.device("cuda", torch.cuda.current_device()) if args.scale == "real" else torch.device("cpu")
+    spec = load_spec(args.model)
+    with stock_diffusers():
+        base = build.build_pipeline(spec, args.scale, device)
+        kwargs = build.call_kwargs(spec, base, args)
+
+        def make_kwargs():
+            return {**kwargs, "generator": torch.Generator("cpu").manual_seed(SEED)}
+
+        warm = warm_up(base, make_kwargs, device)
+        rows = measure_all(base, spec, args, device, make_kwargs)
+    add_ratios(rows)
+    header = build.machine(device, argv)
+    header.update(model=args.model, scale=args.scale, calls=args.calls, budget=args.budget, warm_up=warm)
+    header.update(inputs=build.describe_inputs(spec, kwargs, args), components=build.component_sizes(base))
+    header["notes"] = [MEASURED_NOTE] + ([TINY_NOTE] if args.scale == "tiny" else [])
+    return {"header": header, "rows": rows}
+
+
+def _table_row(r: dict) -> str:
+    if r["status"] != "ok":
+        return f"| `{r['label']}` | {r['status']}: {r['reason']} | | | | | | | |"
+    cells = [
+        f"`{r['label']}`",
+        f"{r['steady_s'][0]:.3f}-{r['steady_s'][1]:.3f}",
+        f"{r['first_s']:.3f}",
+        "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
+        *(_size(r[k]) for k in ("peak_allocated_bytes", "moved_steady_bytes", "moved_first_bytes", "pinned_bytes")),
+        r["bytes_source"],
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _size(nbytes) -> str:
+    return "-" if nbytes is None else format_size(nbytes)
 
 
 def markdown(result: dict) -> str:
+    """The result as a Markdown page."""
     h = result["header"]
-    lines = [f"# Offload on a real GPU: {h['model']}", "", f"{h['device']}, CUDA {h['cuda']}, {h['versions']}, "
-             f"{h['date']}; `{h['command']}`; {h['calls']} calls per configuration.", ""]  # fmt: skip
-    if h["note"]:
-        lines += [f"**{h['note']}**", ""]
-    lines += ["| configuration | s / image (steady) | first call s | ratio | peak allocated | moved | page-locked |",
-              "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for name, r in result["rows"].items():
-        if "skipped" in r:
-            lines.append(f"| {name} | skipped: {r['skipped']} | | | | | |")
-            continue
-        steady = "-" if r["steady_s"] is None else f"{r['steady_s'][0]:.2f}-{r['steady_s'][1]:.2f}"
-        peak = "-" if r["peak_bytes"] is None else format_size(r["peak_bytes"])
-        lines.append(f"| {name} | {steady} | {r['first_s']:.2f} | {r['ratio_to_no_offload']:.2f} | {peak} | "
-                     f"{format_size(r['moved_bytes'])} | {format_size(r['page_locked_bytes'])} |")  # fmt: skip
+    versions = ", ".join(f"{k} {v}" for k, v in h["versions"].items())
+    sizes = ", ".join(f"{k} {format_size(v)}" for k, v in h["components"].items())
+    gpu = f", driver {h['driver']}, CUDA {h['cuda']}" if h["driver"] else ""
+    lines = [f"# Offload on a real GPU: {h['model']} ({h['scale']} scale)", ""]
+    lines += [f"**{note}**" if note == TINY_NOTE else note for note in h["notes"]] + [""]
+    lines += [f"- device: {h['device']}{gpu}; {h['platform']}", f"- versions: {versions}", f"- date: {h['date']}",
+              f"- command: `{h['command']}`", f"- inputs: {h['inputs']}", f"- components: {sizes}",
+              f"- {h['calls']} timed calls per configuration; {h['warm_up']}", ""]  # fmt: skip
+    lines += ["| configuration | s / image, calls 2+ (min-max) | first call s | x no offload | peak allocated | "
+              "moved per steady call | moved in first call | page-locked host | bytes from |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    lines += [_table_row(row) for row in result["rows"]] + ["", LEGEND]
     return "\n".join(lines) + "\n"
 
 
-def parse(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="flux-dev", choices=shipped_models())
-    parser.add_argument("--scale", default="real", choices=("real", "tiny"))
-    parser.add_argument("--calls", type=int, default=4, help="calls per configuration, 1 to 20")
-    parser.add_argument("--steps", type=int, default=28, help="denoising steps (real scale), 1 to 200")
-    parser.add_argument("--size", type=int, default=512, help="image height and width (real scale), 64 to 2048")
-    parser.add_argument("--write", help="write the Markdown table to this file")
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
+def _bounded(parser, option: str, value: int, low: int, high: int, why: str = "") -> None:
+    if not low <= value <= high:
+        parser.error(f"argument {option}: must be {low} to {high}{why}, got {value!r}")
+
+
+def parse(argv) -> argparse.Namespace:
+    """The options, checked; a bad one exits 2 naming it, its value and the valid ones."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--model", default="flux-dev", choices=shipped_models(), help="a shipped model spec")
+    parser.add_argument("--scale", default="real", choices=("real", "tiny"), help="tiny: the tiny pipeline on the CPU")
+    parser.add_argument("--calls", type=int, default=None, help="timed calls per configuration, 2 to 20 (4; tiny 2)")
+    parser.add_argument("--steps", type=int, default=28, help="denoising steps, 1 to 200 (real scale)")
+    parser.add_argument("--height", type=int, default=512, help="image height, 64 to 2048, a multiple of 16")
+    parser.add_argument("--width", type=int, default=512, help="image width, 64 to 2048, a multiple of 16")
+    parser.add_argument("--frames", type=int, default=17, help="video frames (Wan), 1 to 121, 4k+1")
+    parser.add_argument("--budget", default="26GiB", help="memory_budget of the residency rows (26GiB)")
+    parser.add_argument("--sequential", action="store_true", help="also run enable_sequential_cpu_offload (slow)")
+    parser.add_argument("--write", metavar="PATH", help="write the Markdown table to PATH")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     args = parser.parse_args(argv)
-    for option, value, low, high in (("--calls", args.calls, 1, 20), ("--steps", args.steps, 1, 200),
-                                     ("--size", args.size, 64, 2048)):  # fmt: skip
-        if not low <= value <= high:
-            parser.error(f"`{option}` must be {low} to {high}, got {value!r}.")
+    args.calls = (4 if args.scale == "real" else 2) if args.calls is None else args.calls
+    _bounded(parser, "--calls", args.calls, 2, 20, " (the first call is reported apart from the steady state)")
+    _bounded(parser, "--steps", args.steps, 1, 200)
+    for option, value in (("--height", args.height), ("--width", args.width)):
+        _bounded(parser, option, value, 64, 2048)
+        if value % 16:
+            parser.error(f"argument {option}: must be a multiple of 16, got {value!r}")
+    _bounded(parser, "--frames", args.frames, 1, 121)
+    if (args.frames - 1) % 4:
+        parser.error(f"argument --frames: must be 4k+1 (1, 5, 9, ..., 121), got {args.frames!r}")
+    try:
+        if parse_size(args.budget) <= 0:
+            raise SizeError(args.budget, "not above zero")
+    except SizeError as error:
+        parser.error(f"argument --budget: {error} (for example 26GiB, 24GB, 20000000000)")
+    ok, why = tiny.available(load_spec(args.model)["tiny"])
+    if not ok:
+        parser.error(f"argument --model: {args.model!r} cannot run with the installed packages: {why}")
     return args
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
     if args.scale == "real" and not torch.cuda.is_available():
-        print("No CUDA GPU here: nothing measured (`--scale tiny` runs the same code on the CPU).")
+        print("No CUDA GPU here: nothing measured (`--scale tiny` runs the same code on the CPU, tiny weights).")
         return 0
-    result = run(args)
-    text = markdown(result)
+    result = run(args, argv)
     if args.write:
         with open(args.write, "w", encoding="utf-8") as f:
-            f.write(text)
-    print(json.dumps(result, indent=1) if args.json else text)
-    return 0
+            f.write(markdown(result))
+    if args.json:
+        print(json.dumps(result, indent=1))
+    elif args.write:
+        print(f"Wrote {args.write}: {len(result['rows'])} configurations of {args.model} ({args.scale} scale).")
+    else:
+        print(markdown(result), end="")
+    return 1 if any(row["status"] == "error" for row in result["rows"]) else 0
 
 
 if __name__ == "__main__":

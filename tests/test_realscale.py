@@ -1,5 +1,5 @@
-"""`benchmarks/realscale.py`: the real-size GPU benchmark's code, run at tiny scale on the CPU (its times are not
-figures); without CUDA the real scale says so and exits 0; bad input exits 2 naming the option."""
+"""`benchmarks/realscale.py`, the real-size GPU benchmark: its code run at tiny scale on the CPU (the times are not
+figures; the rows, the bytes and the ratios are checked), the real scale without CUDA, and bad options."""
 
 import importlib.util
 import json
@@ -7,7 +7,6 @@ import pathlib
 
 import pytest
 
-pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the benchmark drives the plugin")
 pytestmark = pytest.mark.plugin_only
 
 PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "realscale.py"
@@ -15,32 +14,111 @@ PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "realscal
 
 @pytest.fixture(scope="module")
 def realscale():
+    pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the benchmark drives the plugin")
     spec = importlib.util.spec_from_file_location("realscale", PATH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_tiny_scale_runs_every_configuration(realscale, capsys, tmp_path):
+@pytest.fixture(scope="module")
+def tiny_run(realscale, tmp_path_factory):
+    """One tiny-scale run of flux-dev: `(exit status, stdout, written page, install state before, after)`."""
     import diffusers_offload_ext as doe
 
-    was_installed = doe.is_installed()
-    written = tmp_path / "table.md"
-    assert realscale.main(["--scale", "tiny", "--calls", "2", "--json", "--write", str(written)]) == 0
-    result = json.loads(capsys.readouterr().out)
-    rows = result["rows"]
-    assert list(rows) == list(realscale.CONFIGS)
-    assert rows["no offload"]["moved_bytes"] == 0 and rows["no offload"]["ratio_to_no_offload"] == 1.0
-    assert 0 < rows["exclude denoiser"]["moved_bytes"] < rows["stock"]["moved_bytes"]
-    assert 0 < rows["defaults, eviction without copies"]["moved_bytes"] < rows["stock"]["moved_bytes"]
-    for name, row in rows.items():
-        if "skipped" in row:
-            assert row["skipped"] == "needs CUDA", name  # on the CPU: page-locking, prefetch, group offloading
-        else:
-            assert row["ratio_to_no_offload"] == pytest.approx(row["steady_s"][0] / rows["no offload"]["steady_s"][0])
-    assert "not benchmark figures" in result["header"]["note"] and "not benchmark figures" in written.read_text()
-    if was_installed:  # the benchmark uninstalls the extension between configurations
-        doe.install()
+    written = tmp_path_factory.mktemp("realscale") / "table.md"
+    before = doe.is_installed()
+    out = _Capture()
+    with out:
+        status = realscale.main(["--scale", "tiny", "--model", "flux-dev", "--json", "--write", str(written)])
+    return status, out.text, written.read_text(encoding="utf-8"), before, doe.is_installed()
+
+
+class _Capture:
+    """stdout of the block (capsys is function-scoped; the run is shared by the module's tests)."""
+
+    def __enter__(self):
+        import contextlib
+        import io
+
+        self.buffer = io.StringIO()
+        self.redirect = contextlib.redirect_stdout(self.buffer)
+        self.redirect.__enter__()
+
+    def __exit__(self, *exc):
+        self.redirect.__exit__(*exc)
+        self.text = self.buffer.getvalue()
+
+
+def _rows(tiny_run) -> dict:
+    return {row["key"]: row for row in json.loads(tiny_run[1])["rows"]}
+
+
+def test_tiny_run_is_one_json_document_with_every_configuration(realscale, tiny_run):
+    status, text, page, before, after = tiny_run
+    assert status == 0 and before == after
+    result = json.loads(text)  # the whole of stdout: one document
+    assert [row["key"] for row in result["rows"]] == [config.key for config in realscale.CONFIGS]
+    assert realscale.TINY_NOTE in result["header"]["notes"] and "not benchmark figures" in page
+    assert result["header"]["command"].startswith(
+        "python benchmarks/realscale.py --scale tiny --model flux-dev --json"
+    )
+    for row in result["rows"]:
+        assert row["status"] in ("ok", "skipped"), row
+        assert f"`{row['label']}`" in page
+    skipped = {row["key"]: row["reason"] for row in result["rows"] if row["status"] == "skipped"}
+    assert set(skipped) == {
+        "pinned-zero-copy",
+        "pinned-keep",
+        "pinned-residency-budget-prefetch",
+        "sequential",
+        "group",
+    }
+    assert "CPU" in skipped["pinned-keep"] and "--sequential" in skipped["sequential"]
+    assert "CPU" in skipped["group"] or "has no DiffusionPipeline.enable_group_offload" in skipped["group"]
+
+
+def test_tiny_run_bytes_follow_each_configuration(tiny_run):
+    rows = _rows(tiny_run)
+    moved = {key: row["moved_steady_bytes"] for key, row in rows.items() if row["status"] == "ok"}
+    assert moved["no-offload"] == 0 and moved["residency-fits"] == 0 and moved["residency-budget"] == 0
+    assert 0 < moved["exclude"] < moved["stock"] and moved["keep"] == moved["stock"]
+    assert 2 * moved["zero-copy"] == moved["stock"] and rows["zero-copy"]["dropped_steady_bytes"] == moved["zero-copy"]
+    assert 2 * moved["zero-copy-exclude"] == moved["exclude"]
+    assert rows["exclude"]["moved_first_bytes"] > moved["exclude"]  # the denoiser's one onload at enable time
+    assert (
+        rows["stock"]["bytes_source"].startswith("doe.trace") and rows["exclude"]["bytes_source"] == "transfer ledger"
+    )
+
+
+def test_tiny_run_ratios_come_from_the_same_run(tiny_run):
+    rows = _rows(tiny_run)
+    base = rows["no-offload"]["steady_s"][0]
+    for row in rows.values():
+        if row["status"] == "ok":
+            assert len(row["seconds"]) == 2 and row["first_s"] == row["seconds"][0]
+            assert row["steady_s"] == [min(row["seconds"][1:]), max(row["seconds"][1:])]
+            assert row["ratio"] == pytest.approx(row["steady_s"][0] / base)
+            assert row["peak_allocated_bytes"] is None  # no CUDA: no peak to report
+
+
+def test_tiny_run_bytes_equal_separate_runs(realscale, tiny_run):
+    """Stock's bytes equal `doe.trace` of stock offload on its own; `exclude`'s the ledger of its own pipeline."""
+    import diffusers_offload_ext as doe
+    from diffusers_offload_ext.testing import tiny
+
+    rows = _rows(tiny_run)
+    with realscale.stock_diffusers():
+        stock = tiny.build("flux")
+        stock.enable_model_cpu_offload(device="cpu")
+        with doe.trace(stock) as trace:
+            tiny.run(stock, "flux")
+        ours = type("OffloadFlux", (doe.OffloadMixin, type(stock)), {})(**tiny.build("flux").components)
+        ours.enable_model_cpu_offload(device="cpu", exclude_from_offload=["transformer"])
+        tiny.run(ours, "flux")
+        tiny.run(ours, "flux")
+    assert rows["stock"]["moved_steady_bytes"] == trace.summary()["total"]["total_bytes"] > 0
+    assert rows["exclude"]["moved_steady_bytes"] == doe.transfer_ledger(ours).summary()["per_call"][1]["total_bytes"]
 
 
 def test_real_scale_without_cuda_measures_nothing(realscale, capsys):
@@ -49,14 +127,20 @@ def test_real_scale_without_cuda_measures_nothing(realscale, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the real benchmark would run")
     assert realscale.main(["--model", "flux-dev"]) == 0
-    assert "No CUDA GPU here: nothing measured" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.startswith("No CUDA GPU here: nothing measured") and out.count("\n") == 1
 
 
 @pytest.mark.parametrize(
     "argv, message",
-    [(["--calls", "0"], "`--calls` must be 1 to 20, got 0"), (["--model", "nope"], "invalid choice: 'nope'")],
+    [
+        (["--model", "nope"], "argument --model: invalid choice: 'nope' (choose from 'flux-dev', 'flux-schnell'"),
+        (["--calls", "0"], "argument --calls: must be 2 to 20 (the first call is reported apart"),
+        (["--height", "100"], "argument --height: must be a multiple of 16, got 100"),
+        (["--budget", "lots"], "argument --budget: 'lots' is not a number of bytes"),
+    ],
 )
-def test_bad_input_exits_2(realscale, capsys, argv, message):
+def test_bad_options_exit_2_naming_them(realscale, capsys, argv, message):
     with pytest.raises(SystemExit) as done:
         realscale.main(argv)
     assert done.value.code == 2 and message in capsys.readouterr().err
