@@ -88,6 +88,7 @@ RULES = {
     "calls.py": {"torch", "runtime", "policies", "transfer", "observe"},
     "constants.py": {"torch", "runtime", "policies", "transfer", "observe"},
     "units.py": {"torch", "runtime", "policies", "transfer", "observe"},
+    "blocks.py": {"runtime", "policies", "transfer", "observe", "cli", "models", "testing"},
 }
 
 

@@ -1,0 +1,138 @@
+"""Which blocks stay on the device: the knapsack of block residency, in pure Python (sizes and use counts in, names
+out).
+
+A block kept on the device saves, at every call, as many transfers of its bytes as it has uses in the call (a
+denoiser block runs once per step, a text-encoder layer once per call). Minimising the bytes streamed per call within
+a room of `room` bytes is a 0/1 knapsack whose item values are `nbytes * uses` and weights `nbytes`: every item has
+the value density `uses`. `keep_most_used` takes blocks by uses (the density), most first, and adds every block that
+still fits. Its saving is at most one block's value below the optimum: the blocks taken in density order up to the
+first that does not fit are the fractional optimum's whole items, and the fractional optimum is worth no more than
+those plus that one block (the classic bound; `tests/test_block_residency.py` checks it against brute force). The
+exact answer differs when blocks of equal uses leave a gap that another combination of sizes fills better (a subset
+sum); with the equal-sized repeated blocks of real models the gap is smaller than one block.
+
+Streamed blocks pass through a ring of `depth + 1` device buffers, each as large as the largest streamed block: the
+one running and `depth` prefetched ahead. The ring is part of the room, so keeping the largest blocks can shrink it;
+`plan_stream` tries every slot size a block has and keeps the plan that streams the fewest bytes.
+"""
+
+from __future__ import annotations
+
+from typing import FrozenSet, Hashable, Iterable, NamedTuple, Optional, Sequence, Tuple
+
+#: Blocks prefetched ahead of the one running (the ring has `DEPTH + 1` slots).
+DEPTH = 2
+#: Most blocks `plan_stream` accepts (it is quadratic in their number).
+MAX_BLOCKS = 4096
+
+
+class Item(NamedTuple):
+    """A block as the knapsack sees it: `key`, `nbytes` on the device, `uses` per call."""
+
+    key: Hashable
+    nbytes: int
+    uses: int
+
+
+class StreamPlan(NamedTuple):
+    """How one component runs within a room smaller than itself.
+
+    Args:
+        kept (`Tuple`): Keys of the blocks on the device for as long as the component streams.
+        streamed (`Tuple`): Keys of the blocks onloaded into the ring just before they run, in the items' order.
+        slot_bytes (`int`): Bytes of one ring buffer (the largest streamed block).
+        slots (`int`): Ring buffers (`depth + 1`, fewer when fewer blocks stream).
+        kept_bytes (`int`): Bytes of the kept blocks.
+        streamed_bytes (`int`): Bytes streamed per call (each streamed block's bytes times its uses).
+    """
+
+    kept: Tuple
+    streamed: Tuple
+    slot_bytes: int
+    slots: int
+    kept_bytes: int
+    streamed_bytes: int
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.slot_bytes * self.slots
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes on the device while the component streams: the kept blocks and the ring."""
+        return self.kept_bytes + self.ring_bytes
+
+
+def _checked(items: Iterable[Item]) -> Tuple[Item, ...]:
+    items = tuple(Item(*item) for item in items)
+    for item in items:
+        if item.nbytes < 0 or item.uses < 0:
+            raise ValueError(f"`items` must have non-negative `nbytes` and `uses`, got {item!r}.")
+    if len({item.key for item in items}) != len(items):
+        raise ValueError("`items` must have distinct keys.")
+    return items
+
+
+def keep_most_used(items: Iterable[Item], room: int) -> FrozenSet:
+    """Keys of the blocks to keep within `room` bytes: most uses first (ties: larger first, then given order), each
+    block that still fits. At most one block's value (`nbytes * uses`) short of the best choice."""
+    items = _checked(items)
+    order = sorted(range(len(items)), key=lambda i: (-items[i].uses, -items[i].nbytes, i))
+    kept, left = set(), int(room)
+    for i in order:
+        if items[i].nbytes <= left:
+            kept.add(items[i].key)
+            left -= items[i].nbytes
+    return frozenset(kept)
+
+
+def streamed_bytes(items: Iterable[Item], kept: Iterable) -> int:
+    """Bytes streamed per call when the blocks `kept` stay: every other block's bytes times its uses."""
+    kept = set(kept)
+    return sum(item.nbytes * item.uses for item in _checked(items) if item.key not in kept)
+
+
+def plan_stream(
+    items: Sequence[Item], room: int, *, depth: int = DEPTH, forced: Iterable = ()
+) -> Optional[StreamPlan]:
+    """The plan that streams the fewest bytes per call with the kept blocks and the ring within `room` bytes; `None`
+    when no plan fits (the `forced` blocks and the smallest ring alone exceed it).
+
+    Args:
+        items (`Sequence[Item]`): The component's blocks, in their running order.
+        room (`int`): Device bytes the component may take while it runs.
+        depth (`int`, defaults to `DEPTH`): Blocks prefetched ahead of the running one.
+        forced (`Iterable`): Keys that must stay (the component's rest, needed whenever it runs).
+    """
+    items = _checked(items)
+    if len(items) > MAX_BLOCKS:
+        raise ValueError(f"`items` has {len(items)} blocks; at most {MAX_BLOCKS} can be planned.")
+    if depth < 1:
+        raise ValueError(f"`depth` must be at least 1, got {depth!r}.")
+    forced = set(forced)
+    best = None
+    for slot in sorted({0} | {item.nbytes for item in items if item.key not in forced}):
+        must = [item for item in items if item.key in forced or item.nbytes > slot]
+        free = [item for item in items if item.key not in forced and item.nbytes <= slot]
+        ring = slot * min(depth + 1, len(free))
+        left = room - ring - sum(item.nbytes for item in must)
+        if left < 0:
+            continue
+        kept = keep_most_used(free, left) | {item.key for item in must}
+        plan = _plan(items, kept, depth)
+        if best is None or (plan.streamed_bytes, plan.device_bytes) < (best.streamed_bytes, best.device_bytes):
+            best = plan
+    return best
+
+
+def _plan(items: Tuple[Item, ...], kept: FrozenSet, depth: int) -> StreamPlan:
+    streamed = [item for item in items if item.key not in kept]
+    slot = max((item.nbytes for item in streamed), default=0)
+    return StreamPlan(
+        kept=tuple(item.key for item in items if item.key in kept),
+        streamed=tuple(item.key for item in streamed),
+        slot_bytes=slot,
+        slots=min(depth + 1, len(streamed)),
+        kept_bytes=sum(item.nbytes for item in items if item.key in kept),
+        streamed_bytes=sum(item.nbytes * item.uses for item in streamed),
+    )
