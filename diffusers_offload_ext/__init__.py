@@ -12,6 +12,7 @@ __version__ = "0.2.0"
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
+    "BlockStatus": "runtime.block_streams",
     "ChainPolicy": "policies.chain",
     "ComponentStatus": "runtime.api",
     "DeferredCpuOffload": "runtime.hook",
@@ -26,6 +27,8 @@ _EXPORTS = {
     "TraceRecord": "observe.trace",
     "TransferLedger": "observe.ledger",
     "TransferRecord": "observe.ledger",
+    "block_sizes": "blocks",
+    "find_blocks": "blocks",
     "install": "runtime.install",
     "is_installed": "runtime.install",
     "module_nbytes": "transfer.book",

@@ -14,6 +14,9 @@ DROP = "drop"
 #: with a copy stream it overlaps the running component; before the component runs, its completion is waited on.
 PREFETCH = "prefetch"
 KINDS = (COPY, DROP, PREFETCH)
+#: A policy's decision direction: run a component larger than the room the budget leaves it by streaming its blocks
+#: (the most used stay on the device, the others pass through a ring of device buffers); see `blocks.py`.
+STREAM = "stream"
 
 #: In a recorded trace, the end of a pipeline call (`maybe_free_model_hooks()`).
 END = "<end of call>"

@@ -40,6 +40,8 @@ class TransferRecord:
         kind (`str`, defaults to `"copy"`): `"copy"` when the bytes crossed the bus, `"drop"` for an offload that only
             released the device copy.
         step (`int` or `None`): Denoising step the move happened in, `None` outside the denoising loop.
+        block (`str` or `None`): For a component that streams (larger than the room the budget left it), the block
+            that moved (`"transformer_blocks.3"`, `"<rest>"`); `None` for a move of the whole component.
     """
 
     component: str
@@ -48,6 +50,7 @@ class TransferRecord:
     call_index: Optional[int]
     kind: str = "copy"
     step: Optional[int] = None
+    block: Optional[str] = None
 
     @property
     def copied_bytes(self) -> int:

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 from typing import AbstractSet, Callable, FrozenSet, Mapping, NamedTuple, Optional, Tuple
 
-from ..constants import OFFLOAD, ONLOAD, PREFETCH
+from ..constants import OFFLOAD, ONLOAD, PREFETCH, STREAM
 
-#: `(direction, component)`: one move, `direction` being `ONLOAD`, `OFFLOAD` or `PREFETCH` (an onload ahead of use).
+#: `(direction, component)`: one move, `direction` being `ONLOAD`, `OFFLOAD`, `PREFETCH` (an onload ahead of use) or
+#: `STREAM` (the component runs block by block within the room left).
 Move = Tuple[str, str]
 
 
 class Overflow(NamedTuple):
-    """A component that did not fit in the room the budget left even alone; it was loaded alone."""
+    """A component that did not fit in the room the budget left even alone: it streams its blocks within `limit`
+    bytes (it is loaded alone where it cannot)."""
 
     component: str
     nbytes: int
@@ -103,7 +105,7 @@ class Policy:
 def apply(moves, resident: set) -> None:
     """Update `resident` as if `moves` had been carried out."""
     for direction, name in moves:
-        if direction in (ONLOAD, PREFETCH):
+        if direction in (ONLOAD, PREFETCH, STREAM):
             resident.add(name)
         else:
             resident.discard(name)

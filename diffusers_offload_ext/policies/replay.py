@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, List, Mapping, NamedTuple, Optional, Set, Tuple
 
 from ..calls import CallTracker
-from ..constants import COPY, DROP, END, OFFLOAD, ONLOAD, PREFETCH
+from ..constants import COPY, DROP, END, OFFLOAD, ONLOAD, PREFETCH, STREAM
 from .base import Decision, Facts
 
 
@@ -89,7 +89,7 @@ def replay_trace(
     def run(decision, event) -> None:
         for direction, name in decision.moves:
             kind = DROP if direction == OFFLOAD and zero_copy else COPY
-            direction = ONLOAD if direction == PREFETCH else direction
+            direction = ONLOAD if direction in (PREFETCH, STREAM) else direction  # a stream: modelled as an onload
             moves.append(ReplayedMove(direction, name, sizes[name], kind, calls.index))
             (on_device.add if direction == ONLOAD else on_device.discard)(name)
             if kind == COPY and calls.index is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import AbstractSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 from ..calls import CallTracker
-from ..constants import OFFLOAD, ONLOAD
+from ..constants import OFFLOAD, ONLOAD, STREAM
 from .base import NOTHING, Decision, Facts, Overflow, Policy
 from .choice import exact_choice, greedy_choice
 from .chain import renamed
@@ -138,7 +138,7 @@ class ResidencyPolicy(Policy):
             keep = self._choose(name, others, limit)
         evicted = [n for n in others if n not in keep]
         self.shadow.count(evicted=sum(self.sizes[n] for n in evicted))
-        return Decision.of([(OFFLOAD, n) for n in evicted] + [(ONLOAD, name)], overflow)
+        return Decision.of([(OFFLOAD, n) for n in evicted] + [(STREAM if overflow else ONLOAD, name)], overflow)
 
     def on_enable(self, resident: AbstractSet[str], facts: Facts) -> Decision:
         self._uses_since_arm = 0

@@ -7,6 +7,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from ..observe.ledger import TransferLedger
 from .arming import ensure_session, get_session
+from .block_streams import BlockStatus
 
 
 def _check(pipe) -> None:
@@ -90,6 +91,8 @@ class ComponentStatus(NamedTuple):
             `model_cpu_offload_seq` chain).
         host_copy (`bool`): A host copy is held for an eviction without a copy.
         pinned_bytes (`int`): Bytes of its host memory page-locked (`pin_memory`).
+        blocks (`BlockStatus` or `None`): While it streams (it is larger than the room the memory budget leaves it):
+            which blocks are resident, which stream, the ring and the bytes streamed per forward; `None` otherwise.
     """
 
     nbytes: int
@@ -98,6 +101,7 @@ class ComponentStatus(NamedTuple):
     role: str
     host_copy: bool
     pinned_bytes: int = 0
+    blocks: Optional[BlockStatus] = None
 
 
 class OffloadStatus(NamedTuple):
@@ -108,7 +112,8 @@ class OffloadStatus(NamedTuple):
         device (`str` or `None`): The execution device.
         policy (`str` or `None`): `"chain"` (stock's moves with the two options) or `"residency"` (the manager).
         components (`Dict[str, ComponentStatus]`): Every armed component, in the pipeline's order.
-        resident_bytes (`int`): Bytes of the components on the device.
+        resident_bytes (`int`): Bytes of the components on the device (of a streaming component, its resident blocks
+            and its ring).
         budget (`int` or `None`): The residency manager's budget in bytes (`None`: unlimited or not in force).
         chain (`Tuple[str, ...]`): The chain of `model_cpu_offload_seq`, as armed.
         calls (`int`): Pipeline calls started since the session began.
@@ -164,7 +169,7 @@ def offload_status(pipe) -> OffloadStatus:
         device=str(session.device),
         policy=_policy_kind(session.policy),
         components=components,
-        resident_bytes=sum(c.nbytes for c in components.values() if c.resident),
+        resident_bytes=sum(c.blocks.device_bytes if c.blocks else c.nbytes for c in components.values() if c.resident),
         budget=session.budget if session.options.residency else None,
         chain=tuple(session.arrangement.chain) if session.arrangement is not None else (),
         calls=session.calls.started,
@@ -199,4 +204,5 @@ def _component(session, name: str) -> ComponentStatus:
         role=role,
         host_copy=entry.host_copy is not None,
         pinned_bytes=session.transfer.pinning.bytes_of(module) if session.transfer.pinning is not None else 0,
+        blocks=session.streams.status(name),
     )

@@ -150,6 +150,7 @@ def arm(pipe, arming: Arming) -> None:
     restore_exclusion(pipe, session)
     if session.transfer is not None:
         session.transfer.flush()
+        session.stop_streams()
     if session.transfer is not None and session.device != arming.device:
         # Everything this pipeline put on the old device goes home first.
         for name in sorted(session.resident & set(session.modules)):

@@ -138,6 +138,7 @@ def remove_all_hooks(self) -> None:
     session = get_session(self)
     if session is not None and session.transfer is not None:
         session.transfer.flush()
+        session.stop_streams()  # a component half on the device could not run without its hooks
     STOCK["remove_all_hooks"](self)
     if session is not None:
         session.active = False

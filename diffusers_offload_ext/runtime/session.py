@@ -11,12 +11,12 @@ import torch
 from diffusers.utils import logging
 
 from ..calls import CallTracker
-from ..constants import ONLOAD, PREFETCH
+from ..constants import OFFLOAD, ONLOAD, PREFETCH, STREAM
 from ..observe.ledger import TransferLedger, TransferRecord
 from ..policies import NOTHING, Decision, Facts, Policy
 from ..transfer import MIXED, ON_DEVICE, ON_HOST, Transfer, pinned
-from ..units import format_size
 from . import sharing
+from .block_streams import BlockStreams
 from .options import OffloadOptions
 
 logger = logging.get_logger(__name__)
@@ -54,7 +54,8 @@ class Session:
         transfer (`Transfer` or `None`): How this pipeline's components move.
         policy (`Policy` or `None`): Which component moves when.
         modules (`Dict[str, torch.nn.Module]`): The armed components, in the pipeline's order.
-        resident (`Set[str]`): Components on the execution device.
+        resident (`Set[str]`): Components on the execution device (a streaming one counts: it runs there).
+        streams (`BlockStreams`): The components that stream their blocks (larger than the room left them).
         active (`bool`): Offload is enabled (hooks armed).
     """
 
@@ -73,6 +74,7 @@ class Session:
         self.entries: Dict = {}
         self.hooks: Dict[str, object] = {}
         self.resident: Set[str] = set()
+        self.streams = BlockStreams(self)
         self.active = False
         #: Whether the tensors say where they are (the transfer's `readable`, kept here for the hot path).
         self.readable = False
@@ -86,7 +88,6 @@ class Session:
         self.failing = False
         self.facts = Facts(Sizes(self))
         self._names: Dict[int, str] = {}
-        self._warned: Set[str] = set()
 
     def name_of(self, module: torch.nn.Module) -> Optional[str]:
         """The component name of `module` in this pipeline, or `None`."""
@@ -96,7 +97,10 @@ class Session:
     # -- the hot path: a hooked component is about to run ---------------------------------------------------------
     def use(self, name: str) -> None:
         entry = self.entries[name]
-        if entry.dirty or (self.readable and self.transfer.is_resident(entry) is not (name in self.resident)):
+        if name in self.streams.active:
+            if entry.dirty or not self.streams.active[name].intact():
+                self.recheck(name)
+        elif entry.dirty or (self.readable and self.transfer.is_resident(entry) is not (name in self.resident)):
             self.recheck(name)
         calls = self.calls
         if calls.depth:
@@ -114,19 +118,26 @@ class Session:
     # -- moves ------------------------------------------------------------------------------------------------------
     def carry_out(self, decision: Decision) -> None:
         for direction, name in decision.moves:
-            self.move(name, direction)
-        overflow = decision.overflow
-        if overflow is not None and overflow.component not in self._warned:
-            self._warned.add(overflow.component)
-            logger.warning(
-                f"`{overflow.component}` ({format_size(overflow.nbytes)}) does not fit in the memory budget left for "
-                f"offloaded components ({format_size(overflow.limit)}): every other offloaded component was evicted "
-                f"and it runs alone. Raise `memory_budget` (or free device memory) to avoid reloading it."
-            )
+            if direction == STREAM:
+                if self.streams.begin(name, decision.overflow):
+                    placed(self.modules[name], True, self)
+            else:
+                self.move(name, direction)
+
+    def stop_streams(self) -> None:
+        """Every streaming component back on the host (offload is disarmed or armed again)."""
+        for name in list(self.streams.active):
+            self.move(name, OFFLOAD)
 
     def move(self, name: str, direction: str) -> None:
         """Move one component through the transfer and record it; every pipeline holding it learns where it is."""
         module = self.modules[name]
+        if name in self.streams.active:
+            if direction == ONLOAD:
+                return  # it runs on the device already, block by block
+            self.streams.stop(name)  # each block's move is in the ledger
+            placed(module, False, self)
+            return
         ahead, direction = direction == PREFETCH, ONLOAD if direction == PREFETCH else direction
         finishers = [observer(name, direction, module) for observer in self.observers]
         with torch.profiler.record_function(f"diffusers_offload_ext::{direction}::{name}"):
@@ -165,6 +176,11 @@ class Session:
         module, entry = self.modules[name], self.entries[name]
         if entry.dirty:
             self.transfer.book.refresh(module, entry)
+        if name in self.streams.active:
+            if self.streams.active[name].intact():
+                return
+            logger.debug(f"`{name}` was moved outside offload while it streamed; streaming stops where it is.")
+            self.streams.abandon(name)
         where = self.transfer.locate(module)
         if where not in (ON_DEVICE, ON_HOST, MIXED):
             return
@@ -189,6 +205,8 @@ class Session:
         """`pipe.to(...)` moved components: read where they are now (or, where tensors cannot tell, take the target
         as the truth); host copies of what left the device are stale."""
         for name, module in self.modules.items():
+            if name in self.streams.active:
+                self.streams.abandon(name)
             self.entries[name].dirty = True  # a dtype change leaves no other trace
             if self.transfer.readable:
                 self.recheck(name)
@@ -209,6 +227,8 @@ class Session:
             self.carry_out(self.policy.on_call_start(self.calls))
 
     def end_call(self, failed: bool) -> None:
+        if failed:
+            self.streams.settle()
         if self.calls.end(failed):
             if self in sharing.running:
                 sharing.running.remove(self)

@@ -10,6 +10,7 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 
 from ..transfer import STREAMED, Moved, SyncTransfer
+from ..transfer.ring import Copier
 
 
 class FakeStreamTransfer(SyncTransfer):
@@ -44,10 +45,44 @@ class FakeStreamTransfer(SyncTransfer):
                 data.copy_(value)
             self.log.append(("ready", module))
 
+    def copier(self) -> "FakeCopier":
+        return FakeCopier(self.log)
+
     def flush(self) -> None:
         for key in list(self._inflight):
             for data, value in self._inflight.pop(key):
                 data.copy_(value)
+
+
+class FakeCopier(Copier):
+    """A ring-buffer copier whose copies complete only at `wait`: until then the buffer holds NaN (zeros for
+    integers), as a CUDA copy still in flight would hold garbage; `log` gets `("copy" | "wait", view count)`."""
+
+    asynchronous = True
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+        self._inflight: Dict[int, list] = {}
+
+    def copy(self, pairs, after=None):
+        token = object()
+        with torch.no_grad():
+            for view, _ in pairs:
+                view.fill_(float("nan") if view.is_floating_point() else 0)
+        self._inflight[id(token)] = list(pairs)
+        self.log.append(("copy", len(pairs)))
+        return token
+
+    def wait(self, token) -> None:
+        pairs = self._inflight.pop(id(token), None) if token is not None else None
+        if pairs is not None:
+            with torch.no_grad():
+                for view, host in pairs:
+                    view.copy_(host)
+            self.log.append(("wait", len(pairs)))
+
+    def drain(self) -> None:
+        self._inflight.clear()
 
 
 @contextlib.contextmanager

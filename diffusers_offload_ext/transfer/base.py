@@ -9,6 +9,7 @@ import torch
 
 from ..constants import COPY
 from .book import BOOK, Book, Entry
+from .ring import Copier
 
 HOST = torch.device("cpu")
 
@@ -129,3 +130,8 @@ class Transfer:
 
     def flush(self) -> None:
         """`ready` for every pending prefetch (before moves made outside the extension, and at a call's end)."""
+
+    def copier(self) -> Copier:
+        """How streamed blocks are copied into their ring buffers (`ring.py`): at once here; on a copy stream where
+        the transfer has one."""
+        return Copier()

@@ -22,7 +22,7 @@ eviction copies the device tensors back, as stock does.
 from __future__ import annotations
 
 import weakref
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,8 +31,15 @@ from .fingerprint import fingerprints
 Slot = Tuple[torch.nn.Module, bool, str, torch.Tensor]
 
 
-def slots(module: torch.nn.Module) -> Iterator[Slot]:
-    """Every parameter and buffer slot: `(sub-module, is_parameter, name, tensor)`, in a fixed order."""
+def slots(module: torch.nn.Module, only: Optional[Sequence[tuple]] = None) -> Iterator[Slot]:
+    """Every parameter and buffer slot: `(sub-module, is_parameter, name, tensor)`, in a fixed order; with `only`
+    (`(sub-module, is_parameter, name)` triples, a block's), those slots that still hold a tensor."""
+    if only is not None:
+        for sub, is_param, key in only:
+            tensor = (sub._parameters if is_param else sub._buffers).get(key)
+            if tensor is not None:
+                yield sub, is_param, key, tensor
+        return
     for sub in module.modules():
         for key, param in sub._parameters.items():
             if param is not None:
@@ -46,15 +53,18 @@ class HostCopy:
     """The host tensors of one component while it is on the execution device.
 
     Create it just before the onload, call `seal(module)` just after; at eviction `unchanged(module)` tells whether
-    `restore(module)` may replace the copy back.
+    `restore(module)` may replace the copy back. With `only` (a block's slots, see `blocks.py`) it covers those
+    tensors of `module` alone.
     """
 
-    def __init__(self, module: torch.nn.Module, check: bool = True) -> None:
+    def __init__(self, module: torch.nn.Module, check: bool = True, only: Optional[Sequence[tuple]] = None) -> None:
+        self.only = None if only is None else tuple(only)
         # `param.data` is a second reference to the host storage: it outlives the onload, which either sets the
         # parameter's `.data` or puts a new `Parameter` in its place; the original object is kept too, so that it can
         # come back. Sub-modules are held weakly: the copy never keeps a component alive.
         self.host: List[tuple] = [
-            (weakref.ref(sub), is_param, key, t, t.data if is_param else t) for sub, is_param, key, t in slots(module)
+            (weakref.ref(sub), is_param, key, t, t.data if is_param else t)
+            for sub, is_param, key, t in slots(module, self.only)
         ]
         self.signature: Optional[list] = None
         self.content: Optional[list] = None
@@ -64,7 +74,7 @@ class HostCopy:
         """Record what the component looks like on the device, right after the onload."""
         if not self.check:
             return
-        found = list(slots(module))
+        found = list(slots(module, self.only))
         self.content = self._content(found)
         if self.content is None:
             return  # something it cannot read: the eviction will copy
@@ -88,7 +98,7 @@ class HostCopy:
         """Whether the device tensors are still exactly the ones `seal` saw, unmodified."""
         if self.signature is None or self.content is None:
             return False
-        found = list(slots(module))
+        found = list(slots(module, self.only))
         if len(found) != len(self.signature):
             return False
         for (sub, is_param, key, t), (sub0, is_param0, key0, ref0, ptr0, version0) in zip(found, self.signature):
@@ -107,7 +117,7 @@ class HostCopy:
         """Copy the device tensors into the host tensors, in place, and put those back (an eviction that copies but
         keeps the host memory, page-locked as it is). False, with nothing changed, where the structure, a shape or a
         dtype changed on the device: then only a fresh host copy can hold the weights."""
-        found = list(slots(module))
+        found = list(slots(module, self.only))
         if len(found) != len(self.host):
             return False
         pairs = []

@@ -15,6 +15,7 @@ from typing import Dict
 import torch
 
 from .base import Moved
+from .ring import CudaCopier
 from .book import BOOK, Book
 from .synchronous import SyncTransfer
 
@@ -47,6 +48,9 @@ class StreamTransfer(SyncTransfer):
         event = self._events.pop(id(module), None)
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
+
+    def copier(self) -> CudaCopier:
+        return CudaCopier(self.stream, self.device)
 
     def flush(self) -> None:
         compute = torch.cuda.current_stream(self.device)

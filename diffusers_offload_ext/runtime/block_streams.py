@@ -1,0 +1,188 @@
+"""`BlockStreams`: the components of one pipeline that run block by block because they are larger than the room the
+budget leaves them: their stream plans and streamers, and what each streamer learned (the order its blocks ran in,
+how often each ran) for its next start."""
+
+from __future__ import annotations
+
+from typing import Dict, NamedTuple, Optional, Set, Tuple
+
+from diffusers.utils import logging
+
+from ..blocks import REST, find_blocks
+from ..constants import ONLOAD
+from ..observe.ledger import TransferRecord
+from ..policies import DEPTH, Item, StreamPlan, plan_stream
+from ..transfer.ring import aligned_nbytes, streamable
+from ..transfer.streaming import BlockStreamer
+from ..units import format_size
+
+logger = logging.get_logger(__name__)
+
+
+class BlockStatus(NamedTuple):
+    """How a streaming component runs (`ComponentStatus.blocks`).
+
+    Args:
+        resident (`Tuple[str, ...]`): Its blocks kept on the device while it streams (`"<rest>"` is what no repeated
+            block holds: embeddings, norms, projections).
+        streamed (`Tuple[str, ...]`): Its blocks copied into the ring just before they run, in the order they ran.
+        ring_bytes (`int`): Bytes of the ring of device buffers they pass through (`slots` of `slot_bytes`).
+        slots (`int`): Ring buffers: the running block and those prefetched ahead.
+        device_bytes (`int`): Bytes it holds on the device: the resident blocks and the ring.
+        bytes_per_pass (`int`): Bytes streamed by one forward (one denoising step, for a denoiser).
+    """
+
+    resident: Tuple[str, ...]
+    streamed: Tuple[str, ...]
+    ring_bytes: int
+    slots: int
+    device_bytes: int
+    bytes_per_pass: int
+
+
+def _tensors(block):
+    return [(sub._parameters if is_param else sub._buffers)[key] for sub, is_param, key in block.slots]
+
+
+class BlockStreams:
+    """The streaming components of `session`."""
+
+    def __init__(self, session) -> None:
+        self.session = session
+        self.active: Dict[str, BlockStreamer] = {}
+        self.plans: Dict[str, StreamPlan] = {}
+        self.learned: Dict[str, tuple] = {}  # name -> (block order, block uses) of its last stream
+        self.said: Set[str] = set()  # components whose streaming (or failure to) was logged
+
+    def plan(self, name: str, room: int) -> Tuple[Optional[StreamPlan], list, str]:
+        """`(plan, blocks, why not)` for component `name` within `room` bytes; the plan is `None` when it cannot
+        stream, and `why not` says why."""
+        module = self.session.modules[name]
+        blocks = find_blocks(module)
+        if not [b for b in blocks if b.name != REST]:
+            return None, blocks, "it has no repeated blocks to stream"
+        for block in blocks:
+            odd = [t for t in _tensors(block) if not streamable(t)]
+            if block.name != REST and odd:
+                return (
+                    None,
+                    blocks,
+                    f"block `{block.name}` holds a tensor that cannot stream ({type(odd[0]).__name__})",
+                )
+        _, uses = self.learned.get(name, (None, {}))
+        items = [
+            Item(b.name, b.nbytes if b.name == REST else aligned_nbytes(_tensors(b)), max(uses.get(b.name, 1), 1))
+            for b in blocks
+        ]
+        plan = plan_stream(items, room, depth=DEPTH, forced=[REST] if blocks[0].name == REST else [])
+        if plan is None:
+            rest = blocks[0].nbytes if blocks[0].name == REST else 0
+            smallest = min(i.nbytes for i in items if i.key != REST)
+            return (
+                None,
+                blocks,
+                (
+                    f"its rest ({format_size(rest)}) and a ring of {DEPTH + 1} buffers of at least {format_size(smallest)} "
+                    f"do not fit in {format_size(room)}"
+                ),
+            )
+        return plan, blocks, ""
+
+    def start(self, name: str, room: int) -> Tuple[Optional[StreamPlan], str]:
+        """Start streaming component `name` within `room` bytes; `(plan, "")`, or `(None, why not)` with nothing
+        changed."""
+        plan, blocks, why = self.plan(name, room)
+        if plan is None:
+            return None, why
+        session = self.session
+        module = session.modules[name]
+        transfer = session.transfer
+        if transfer.pinning is not None:
+            transfer.pinning.prepare(module, type(module).__name__)
+        order, _ = self.learned.get(name, (None, {}))
+
+        def emit(block, direction, nbytes, kind):
+            self.record(name, block, direction, nbytes, kind)
+
+        streamer = BlockStreamer(
+            module, blocks, plan, session.device, transfer.copier(), emit, order=order, check=session.options.drops
+        )
+        self.active[name], self.plans[name] = streamer, plan
+        streamer.start()
+        transfer.record(module, True)
+        return plan, ""
+
+    def begin(self, name: str, overflow) -> bool:
+        """Run component `name`, larger than the room the budget leaves it (`overflow.limit`), block by block within
+        that room (True: the caller records it on the device); where it cannot stream, load it whole (alone), with a
+        warning (False)."""
+        session = self.session
+        plan, why = self.start(name, overflow.limit)
+        said = name in self.said
+        self.said.add(name)
+        if plan is not None:
+            if not said:
+                logger.info(
+                    f"`{name}` ({format_size(overflow.nbytes)}) is larger than the memory budget left for offloaded "
+                    f"components ({format_size(overflow.limit)}): it streams. {len(plan.kept)} of "
+                    f"{len(plan.kept) + len(plan.streamed)} blocks stay on the device ({format_size(plan.kept_bytes)}), "
+                    f"the others pass through {plan.slots} buffers of {format_size(plan.slot_bytes)} as they run."
+                )
+            return True
+        session.move(name, ONLOAD)
+        if not said:
+            logger.warning(
+                f"`{name}` ({format_size(overflow.nbytes)}) does not fit in the memory budget left for offloaded "
+                f"components ({format_size(overflow.limit)}) and cannot stream ({why}): every other offloaded "
+                f"component was evicted and it runs alone. Raise `memory_budget` (or free device memory)."
+            )
+        return False
+
+    def record(self, name: str, block: str, direction: str, nbytes: int, kind: str) -> None:
+        """A block of streaming component `name` moved: the ledger and the observers are told."""
+        session = self.session
+        module = session.modules[name]
+        finishers = [observer(name, direction, module) for observer in session.observers]
+        record = TransferRecord(name, direction, nbytes, session.calls.index, kind, session.calls.step, block)
+        session.ledger.append(record)
+        for finish in finishers:
+            finish(record)
+
+    def stop(self, name: str) -> None:
+        """Component `name` leaves the device: every block back on the host, what was learned kept."""
+        streamer = self.active.pop(name)
+        try:
+            streamer.stop()
+        finally:
+            self._learn(name, streamer)
+            self.session.transfer.record(self.session.modules[name], False)
+
+    def abandon(self, name: str) -> None:
+        """Component `name`'s weights were moved outside offload: stop streaming it where they are."""
+        streamer = self.active.pop(name)
+        streamer.settle()
+        streamer.abandon()
+        self._learn(name, streamer)
+
+    def settle(self) -> None:
+        """A call failed: release every streamed block still in a ring (kept blocks stay, consistent)."""
+        for streamer in self.active.values():
+            streamer.settle()
+
+    def _learn(self, name: str, streamer: BlockStreamer) -> None:
+        self.plans.pop(name, None)
+        if any(streamer.uses.values()):
+            self.learned[name] = (tuple(streamer.order), dict(streamer.uses))
+
+    def device_bytes(self, name: str) -> int:
+        plan = self.plans.get(name)
+        return 0 if plan is None else plan.device_bytes
+
+    def status(self, name: str) -> Optional[BlockStatus]:
+        streamer, plan = self.active.get(name), self.plans.get(name)
+        if streamer is None or plan is None:
+            return None
+        per_pass = sum(streamer.streamed[n].nbytes for n in streamer.order)
+        return BlockStatus(
+            tuple(plan.kept), tuple(streamer.order), plan.ring_bytes, plan.slots, plan.device_bytes, per_pass
+        )

@@ -1,0 +1,282 @@
+"""A component larger than the memory budget streams its blocks (issue 11), on the simulated accelerator (host and
+device weights are distinct tensors; a layer that runs on host weights with device inputs raises). The tiny FLUX
+pipeline's transformer is rebuilt deeper (3 double and 4 single blocks) so that the ring and the prefetch depth have
+blocks to work on. What a real CUDA copy stream does is not tested here (no GPU in CI); the fake copy stream's
+buffers hold NaN until waited on, so a block run before its copy completed gives a wrong image."""
+
+import diffusers
+import pytest
+import torch
+from harness import max_abs_diff
+from simulated_accelerator import SimulatedAccelerator
+
+pytest.importorskip("diffusers_offload_ext", reason="plugin-only: block streaming")
+
+import diffusers_offload_ext as doe  # noqa: E402
+from diffusers_offload_ext.blocks import REST, block_sizes  # noqa: E402
+from diffusers_offload_ext.testing import tiny  # noqa: E402
+from diffusers_offload_ext.testing.streams import fake_copy_stream  # noqa: E402
+from diffusers_offload_ext.transfer.ring import ALIGN, Ring, aligned_nbytes  # noqa: E402
+
+pytestmark = [pytest.mark.plugin_only, pytest.mark.usefixtures("installed")]
+NAME = "flux"
+DEPTH = 2
+
+
+def deep_flux():
+    pipe = tiny.build(NAME)
+    config = dict(pipe.transformer.config, num_layers=3, num_single_layers=4)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        pipe.transformer = diffusers.FluxTransformer2DModel.from_config(config).eval()
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return tiny.run(deep_flux(), NAME)
+
+
+def transformer_bytes(pipe):
+    return sum(block_sizes(pipe.transformer).values())
+
+
+def stream_records(pipe):
+    return [r for r in doe.transfer_ledger(pipe).records if r.block is not None]
+
+
+def run(pipe, budget, calls=1, prefetch=None, probe=None):
+    pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, prefetch=prefetch)
+    return [tiny.run(pipe, NAME) for _ in range(calls)]
+
+
+def test_a_transformer_larger_than_the_budget_streams_with_images_equal_to_no_offload(reference):
+    pipe = deep_flux()
+    budget = int(transformer_bytes(pipe) * 0.8)
+    seen = []
+
+    def callback(p, step, timestep, kwargs):
+        seen.append(doe.offload_status(p))
+        return kwargs
+
+    with SimulatedAccelerator() as sim:
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget)
+        images = [pipe(**tiny.call_kwargs(NAME, pipe=pipe), callback_on_step_end=callback).images for _ in range(2)]
+        ring_fills = sum(c.nbytes for c in sim.copies if c.direction == "h2d" and c.op == "copy_")
+        assert {sim.where(m) for m in pipe.components.values() if isinstance(m, torch.nn.Module)} == {"host"}
+    for image in images:
+        assert max_abs_diff(image, reference) == 0.0  # the same kernels on the same weights
+    status = seen[0].components["transformer"]
+    assert seen[-1].components["transformer"].blocks == status.blocks  # the same plan at the next call
+    streamed_onloads = [
+        r for r in stream_records(pipe) if r.direction == "onload" and r.block in status.blocks.streamed
+    ]
+    assert ring_fills == sum(r.nbytes for r in streamed_onloads) > 0  # every streamed byte is in the ledger
+    assert status.resident and status.where == "mixed" and status.blocks is not None
+    blocks = status.blocks
+    assert REST in blocks.resident and set(blocks.resident).isdisjoint(blocks.streamed)
+    assert set(blocks.resident) | set(blocks.streamed) == set(block_sizes(pipe.transformer))
+    assert blocks.device_bytes <= budget and blocks.slots == DEPTH + 1
+    assert all(s.resident_bytes <= budget for s in seen)
+    sizes = block_sizes(pipe.transformer)
+    assert blocks.bytes_per_pass == sum(sizes[n] for n in blocks.streamed)
+    assert doe.offload_status(pipe).components["transformer"].blocks is None  # the call's end stopped it
+    streamed = [r for r in stream_records(pipe) if r.call_index == 1 and r.block in blocks.streamed]
+    copied = sum(r.nbytes for r in streamed if r.direction == "onload")
+    steps = tiny.STEPS_RUN[NAME]
+    # Each step streams every streamed block once; the prefetch running ahead across the last step's end costs at most
+    # `DEPTH` blocks more.
+    largest = max(sizes[n] for n in blocks.streamed)
+    assert steps * blocks.bytes_per_pass <= copied <= steps * blocks.bytes_per_pass + DEPTH * largest
+
+
+def held_and_runs(pipe, sim):
+    """Run one call; at each streamed block's end (a forward hook registered before the streamer's, so it runs while
+    the block is still on the device) record which streamed blocks the ledger holds and where the block is."""
+    runs = []
+    ledger = doe.transfer_ledger(pipe)
+    names = [n for n in block_sizes(pipe.transformer) if n != REST]
+
+    def watch(name):
+        def hook(module, args, output):
+            runs.append((name, len(ledger.records), sim.where(module)))
+
+        return hook
+
+    handles = [pipe.transformer.get_submodule(n).register_forward_hook(watch(n)) for n in names]
+    try:
+        tiny.run(pipe, NAME)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return runs
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_streamed_blocks_are_onloaded_before_and_released_after_they_run_within_the_ring(prefetch, reference):
+    pipe = deep_flux()
+    budget = int(transformer_bytes(pipe) * 0.8)
+    with fake_copy_stream() as made, SimulatedAccelerator() as sim:
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, prefetch=prefetch)
+        plan = []
+        pipe(  # the first call learns the order
+            **tiny.call_kwargs(NAME, pipe=pipe),
+            callback_on_step_end=lambda p, i, t, kw: plan.append(doe.offload_status(p).components["transformer"])
+            or kw,
+        )
+        doe.transfer_ledger(pipe).clear()
+        runs = held_and_runs(pipe, sim)
+        image = tiny.run(pipe, NAME)
+    assert max_abs_diff(image, reference) == 0.0
+    if prefetch:
+        log = [what for what, _ in made[0].log if what in ("copy", "wait")]
+        assert log.count("copy") >= log.count("wait") > 0  # copies completed only when waited on
+    records = doe.transfer_ledger(pipe).records
+    order, streamed = list(plan[0].blocks.streamed), set(plan[0].blocks.streamed)
+    assert order == [name for name, _, _ in runs if name in streamed][: len(order)]  # the order they ran in
+    for index, (name, upto, where) in enumerate(runs):
+        if name not in streamed:
+            continue
+        held = held_at(records[:upto], streamed)
+        assert where == "device" and name in held  # onloaded before it ran, still there at its end
+        assert len(held) <= DEPTH + 1  # the ring
+        position = order.index(name)
+        ahead = {order[(position + k) % len(order)] for k in range(1, DEPTH + 1)}
+        assert ahead <= held  # the prefetch depth, along the recorded order
+        released_after = [r for r in records[upto:] if r.block == name][:1]
+        assert released_after and released_after[0].direction == "offload"  # released right after it ran
+    # Nothing stays in the ring or on the device after the call.
+    assert held_at(records, streamed) == set()
+
+
+def held_at(records, streamed):
+    held = set()
+    for record in records:
+        if record.block in streamed:
+            (held.add if record.direction == "onload" else held.discard)(record.block)
+    return held
+
+
+def test_the_budget_holds_at_every_move_ring_and_prefetches_included():
+    pipe = deep_flux()
+    budget = int(transformer_bytes(pipe) * 0.8)
+    statuses = []
+
+    def callback(p, step, timestep, kwargs):
+        statuses.append(doe.offload_status(p).components["transformer"].blocks)
+        return kwargs
+
+    with fake_copy_stream(), SimulatedAccelerator():
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, prefetch=True)
+        for _ in range(2):
+            pipe(**tiny.call_kwargs(NAME, pipe=pipe), callback_on_step_end=callback)
+    ring = statuses[0].ring_bytes
+    whole, blocks, streaming = {}, {}, False
+    for record in doe.transfer_ledger(pipe).records:
+        table = whole if record.block is None else blocks
+        key = record.component if record.block is None else record.block
+        table[key] = record.nbytes if record.direction == "onload" else 0
+        kept = sum(v for k, v in blocks.items() if k in statuses[0].resident)
+        in_ring = sum(v for k, v in blocks.items() if k in statuses[0].streamed)
+        streaming = streaming or record.block is not None
+        streaming = streaming and any(blocks.values())
+        assert in_ring <= ring
+        assert sum(whole.values()) + kept + (ring if streaming else 0) <= budget
+
+
+def test_an_exception_mid_stream_leaves_nothing_half_loaded_and_the_next_call_is_clean(reference):
+    pipe = deep_flux()
+    budget = int(transformer_bytes(pipe) * 0.8)
+    calls = {"n": 0}
+
+    def fail(module, args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom in a streamed block")
+
+    with SimulatedAccelerator() as sim:
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget)
+        tiny.run(pipe, NAME)
+        status = doe.offload_status(pipe)
+        target = pipe.transformer.get_submodule("transformer_blocks.1")
+        handle = target.register_forward_pre_hook(fail)  # runs after the streamer's: the block is on the device
+        with pytest.raises(RuntimeError, match="boom"):
+            tiny.run(pipe, NAME)
+        handle.remove()
+        records = doe.transfer_ledger(pipe).records
+        streamed = {r.block for r in records if r.kind == "prefetch"}
+        assert held_at(records, streamed) == set()
+        for name in streamed:
+            assert sim.where(pipe.transformer.get_submodule(name)) == "host"
+        assert max_abs_diff(tiny.run(pipe, NAME), reference) == 0.0
+        assert status.components["transformer"].blocks is None
+        assert doe.offload_status(pipe).components["transformer"].where == "host"
+
+
+def test_a_change_made_to_a_block_on_the_device_is_never_lost():
+    pipe = deep_flux()
+    budget = int(transformer_bytes(pipe) * 0.8)
+    streamed_name, kept_param = "transformer_blocks.2", pipe.transformer.proj_out.weight
+    streamed_param = pipe.transformer.get_submodule(streamed_name).ff.net[2].weight
+    before = (streamed_param.detach().clone(), kept_param.detach().clone())
+    edited = {"n": 0}
+
+    def edit(module, args, output):
+        if edited["n"] == 0:
+            with torch.no_grad():
+                streamed_param.add_(1.0)  # in place, on the device, inside the block's run
+                kept_param.data += 2.0  # through `.data` on a kept block: no version counter sees it
+        edited["n"] += 1
+
+    with SimulatedAccelerator() as sim:
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget)
+        handle = pipe.transformer.get_submodule(streamed_name).register_forward_hook(edit)
+        tiny.run(pipe, NAME)
+        handle.remove()
+        assert sim.where(pipe.transformer) == "host"
+    assert torch.equal(streamed_param.detach(), before[0] + 1.0)
+    assert torch.equal(kept_param.detach(), before[1] + 2.0)
+    copies = [r for r in stream_records(pipe) if r.direction == "offload" and r.kind == "copy"]
+    assert {r.block for r in copies} >= {streamed_name, REST}
+
+
+def test_disarming_or_arming_again_puts_a_streaming_component_back_on_the_host():
+    pipe = deep_flux()
+    budget = int(transformer_bytes(pipe) * 0.8)
+    seen = []
+
+    def callback(p, step, timestep, kwargs):
+        if step == 0:
+            seen.append(doe.offload_status(p).components["transformer"].where)
+            p.remove_all_hooks()
+        return kwargs
+
+    with SimulatedAccelerator() as sim:
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget)
+        with pytest.raises(RuntimeError):  # a step run without offload hooks meets host weights
+            pipe(**tiny.call_kwargs(NAME, pipe=pipe), callback_on_step_end=callback)
+        assert seen == ["mixed"] and sim.where(pipe.transformer) == "host"
+
+
+def test_a_budget_too_small_for_the_rest_and_the_ring_loads_it_alone_with_a_warning(caplog):
+    pipe = deep_flux()
+    with SimulatedAccelerator(), caplog.at_level("WARNING", logger="diffusers_offload_ext"):
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=int(transformer_bytes(pipe) * 0.5))
+        tiny.run(pipe, NAME)
+    messages = [r.getMessage() for r in caplog.records if "cannot stream" in r.getMessage()]
+    assert len(messages) == 1 and "`transformer`" in messages[0] and "do not fit" in messages[0]
+    assert stream_records(pipe) == []
+
+
+def test_the_ring_never_hands_out_more_than_its_buffers():
+    tensors = [torch.zeros(3, dtype=torch.float16), torch.zeros(2, 2), torch.zeros((), dtype=torch.int64)]
+    need = aligned_nbytes(tensors)
+    assert need == 2 * ALIGN + 8
+    ring = Ring(torch.device("cpu"), need, 2)
+    views = ring.views(1, tensors)
+    assert [v.shape for v in views] == [t.shape for t in tensors] and [v.dtype for v in views] == [
+        t.dtype for t in tensors
+    ]
+    assert all(v.data_ptr() % ALIGN == ring.buffers[1].data_ptr() % ALIGN for v in views)
+    with pytest.raises(ValueError, match="does not fit a ring buffer"):
+        ring.views(0, tensors + [torch.zeros(1)])
