@@ -280,3 +280,31 @@ def test_the_ring_never_hands_out_more_than_its_buffers():
     assert all(v.data_ptr() % ALIGN == ring.buffers[1].data_ptr() % ALIGN for v in views)
     with pytest.raises(ValueError, match="does not fit a ring buffer"):
         ring.views(0, tensors + [torch.zeros(1)])
+
+
+def test_the_trace_reports_streamed_blocks_in_its_records_table_json_and_timeline(tmp_path):
+    pytest.importorskip("matplotlib")
+    pipe = deep_flux()
+    budget = int(transformer_bytes(pipe) * 0.8)
+    with SimulatedAccelerator():
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget)
+        with doe.trace(pipe) as recorded:
+            tiny.run(pipe, NAME)
+    blocks = [r for r in recorded.records if r.block is not None]
+    ledger_blocks = [(r.block, r.direction, r.nbytes, r.kind) for r in stream_records(pipe)]
+    assert [(r.block, r.direction, r.nbytes, r.kind) for r in blocks] == ledger_blocks
+    streaming = [r.resident_bytes for r in blocks if r.component == "transformer"]
+    assert 0 < max(streaming) <= budget and streaming[-1] == 0  # resident blocks and ring, then nothing
+    per_call = sum(r.nbytes for r in blocks if r.direction == "onload")
+    caption = recorded.table().caption
+    assert "`transformer` streamed its blocks" in caption and doe_size(per_call) in caption
+    loaded = doe.Trace.load(recorded.to_json(str(tmp_path / "trace.json")) and str(tmp_path / "trace.json"))
+    assert [r.block for r in loaded.records] == [r.block for r in recorded.records]
+    recorded.plot(str(tmp_path / "timeline.png"))
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
+def doe_size(nbytes):
+    from diffusers_offload_ext.units import format_size
+
+    return format_size(nbytes)

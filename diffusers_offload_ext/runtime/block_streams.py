@@ -175,7 +175,7 @@ class BlockStreams:
             self.learned[name] = (tuple(streamer.order), dict(streamer.uses))
 
     def device_bytes(self, name: str) -> int:
-        plan = self.plans.get(name)
+        plan = self.plans.get(name) if name in self.active else None  # stopping: it is leaving the device
         return 0 if plan is None else plan.device_bytes
 
     def status(self, name: str) -> Optional[BlockStatus]:

@@ -126,9 +126,8 @@ def draw_moves(ax, trace, panel: Panel) -> None:
         style = ":" if record.kind == DROP else "-"
         alpha = 0.6 if record.source == REPLAYED else 1.0
         tip = y0 + (0.12 + 0.3 * scale) * (1 if up else -1)
-        ax.plot(
-            [xpos, xpos], [y0, tip], color=color, lw=linewidth, ls=style, alpha=alpha, zorder=3, solid_capstyle="butt"
-        )
+        width = linewidth * (0.5 if record.block is not None else 1.0)  # a streamed block: a thin tick
+        ax.plot([xpos, xpos], [y0, tip], color=color, lw=width, ls=style, alpha=alpha, zorder=3, solid_capstyle="butt")
         if show_caps:
             marker = "^" if up else ("x" if record.kind == DROP else "v")
             face = "none" if record.source == REPLAYED else color

@@ -26,9 +26,26 @@ def caption(trace) -> str:
     if trace.replayed:
         parts.append("[bold red]REPLAYED, not measured:[/] moves marked 'replayed' come from stock's policy.")
     parts.extend(trace.notes)
+    parts.extend(streamed_notes(trace))
     sources = ", ".join(trace.sources) or "none"
     parts.append(f"Sources of the moves: {sources}. Seconds: measured moves only.")
     return "\n".join(parts)
+
+
+def streamed_notes(trace) -> List[str]:
+    """One line per component that streamed its blocks: how many, and the bytes streamed per call and per step."""
+    lines = []
+    for name in dict.fromkeys(r.component for r in trace.records if r.block is not None):
+        onloads = [r for r in trace.records if r.component == name and r.block is not None and r.direction == "onload"]
+        calls = {r.call for r in onloads}
+        steps = {(r.call, r.step) for r in onloads if r.step is not None}
+        total = sum(r.nbytes for r in onloads)
+        lines.append(
+            f"`{name}` streamed its blocks ({len({r.block for r in onloads})} moved): {format_size(total / max(len(calls), 1))}"
+            f" per call, {format_size(total / max(len(steps), 1))} per denoising step; its lane's shade is its "
+            "resident blocks and ring."
+        )
+    return lines
 
 
 def cells(counter: dict) -> List[str]:

@@ -7,6 +7,7 @@ import textwrap
 from typing import List, Optional, Sequence, Tuple
 
 from .panel import DROP_COLOR, OFFLOAD_COLOR, ONLOAD_COLOR, RESIDENT_COLOR, USE_COLOR, draw, place
+from .table import streamed_notes
 
 
 def plot_traces(items: Sequence[Tuple[Optional[str], object]], path: Optional[str] = None, *, x: str = "step"):
@@ -42,7 +43,7 @@ def _notes(items) -> List[str]:
     """Every trace's notes, each once, in order."""
     notes: List[str] = []
     for _, trace in items:
-        notes += [n for n in trace.notes if n not in notes]
+        notes += [n for n in trace.notes + streamed_notes(trace) if n not in notes]
     return notes
 
 

@@ -53,11 +53,15 @@ class ExtensionMoves:
             seconds = span.stop()
             if readable:
                 self.placement.remember(name, module)
-            onloaded = self.placement.resident_bytes(name, target) if readable else record.nbytes
-            self.recorder.resident[name] = onloaded if direction == ONLOAD else 0
+            block = getattr(record, "block", None)
+            if block is not None:  # a streaming component holds its resident blocks and its ring
+                self.recorder.resident[name] = self.session.streams.device_bytes(name)
+            else:
+                onloaded = self.placement.resident_bytes(name, target) if readable else record.nbytes
+                self.recorder.resident[name] = onloaded if direction == ONLOAD else 0
             kind = record.kind
             self.recorder.add(
-                name, direction, record.nbytes, kind, EXTENSION, src, dst, EXTENSION, seconds, span.clock
+                name, direction, record.nbytes, kind, EXTENSION, src, dst, EXTENSION, seconds, span.clock, block
             )
 
         return finish

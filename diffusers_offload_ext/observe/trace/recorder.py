@@ -31,8 +31,11 @@ class Recorder:
         self.resident: Dict[str, int] = {}
         self.pending: List[Tuple[TraceRecord, Callable[[], float]]] = []
 
-    def add(self, component, direction, nbytes, kind, source, src, dst, where, seconds=None, clock=None) -> None:
-        """Record one move. `seconds` (a function, see `Clock.stop`) gives its duration; `clock` timed it."""
+    def add(
+        self, component, direction, nbytes, kind, source, src, dst, where, seconds=None, clock=None, block=None
+    ) -> None:
+        """Record one move (of one `block` of a streaming component, if given). `seconds` (a function, see
+        `Clock.stop`) gives its duration; `clock` timed it."""
         phase, step = self.calls.position()
         info = self.calls.info
         record = TraceRecord(
@@ -51,6 +54,7 @@ class Recorder:
             timing=clock.timing if (seconds is not None and clock is not None) else None,
             where=where,
             resident_bytes=int(self.resident.get(component, 0)),
+            block=block,
         )
         self.records.append(record)
         if seconds is not None:

@@ -46,7 +46,10 @@ class TraceRecord:
             when unknown (seen between hooks, or replayed).
         timing (`str` or `None`): `"cuda-events"`, `"wall-clock"` or `None`.
         where (`str`): The hook method or pipeline method running when it was seen, or `"between hooks"`.
-        resident_bytes (`int`): Bytes of the component on the execution device after the move.
+        resident_bytes (`int`): Bytes of the component on the execution device after the move (of a streaming
+            component: its resident blocks and its ring).
+        block (`str` or `None`): For a component that streams its blocks (larger than the memory budget), the block
+            that moved; `None` for a move of the whole component.
     """
 
     index: int
@@ -65,6 +68,7 @@ class TraceRecord:
     timing: Optional[str] = None
     where: str = ""
     resident_bytes: int = 0
+    block: Optional[str] = None
 
     @property
     def copied_bytes(self) -> int:
