@@ -24,6 +24,9 @@ def tensors(module):
 # -- discovery -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", tiny.PIPELINES)
 def test_every_tensor_of_every_tiny_component_is_in_exactly_one_block(name):
+    ok, why = tiny.available(name)
+    if not ok:
+        pytest.skip(why)  # the oldest diffusers supported has no such pipeline
     pipe = tiny.build(name)
     for component, module in pipe.components.items():
         if not isinstance(module, torch.nn.Module):

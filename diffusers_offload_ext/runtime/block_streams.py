@@ -99,13 +99,21 @@ class BlockStreams:
         transfer = session.transfer
         if transfer.pinning is not None:
             transfer.pinning.prepare(module, type(module).__name__)
-        order, _ = self.learned.get(name, (None, {}))
+        order, uses = self.learned.get(name, (None, {}))
 
         def emit(block, direction, nbytes, kind):
             self.record(name, block, direction, nbytes, kind)
 
         streamer = BlockStreamer(
-            module, blocks, plan, session.device, transfer.copier(), emit, order=order, check=session.options.drops
+            module,
+            blocks,
+            plan,
+            session.device,
+            transfer.copier(),
+            emit,
+            order=order,
+            check=session.options.drops,
+            passes=max(uses.values()) if uses else None,
         )
         self.active[name], self.plans[name] = streamer, plan
         streamer.start()

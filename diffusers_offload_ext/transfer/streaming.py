@@ -87,9 +87,14 @@ class BlockStreamer:
         order (`Sequence[str]`, *optional*): The order the streamed blocks ran in last time (module order if not
             given); the prefetch follows it, and learns the real order from the first pass.
         check (`bool`, defaults to `True`): Fingerprint the kept blocks (False: their eviction always copies back).
+        passes (`int`, *optional*): How many forwards the component is expected to run (as many as last time): the
+            prefetch runs ahead across the end of a forward into the next one, except after the last.
     """
 
-    def __init__(self, component, blocks, plan, device, copier: Copier, emit: Emit, order=None, check=True) -> None:
+    def __init__(
+        self, component, blocks, plan, device, copier: Copier, emit: Emit, order=None, check=True, passes=None
+    ) -> None:
+        self.passes = passes
         self.component, self.device, self.copier, self.emit, self.check = component, device, copier, emit, check
         self.depth = max(plan.slots - 1, 1)
         self.kept = [b for b in blocks if b.name in set(plan.kept)]
@@ -237,7 +242,10 @@ class BlockStreamer:
 
     def _prefetch(self, name: str) -> None:
         index = self.order.index(name)
+        last = self.passes is not None and self.uses[name] >= self.passes  # no next forward to prefetch for
         upcoming = [self.order[(index + k) % len(self.order)] for k in range(1, self.depth + 1)]
+        if last:
+            upcoming = upcoming[: max(len(self.order) - 1 - index, 0)]
         for wanted in dict.fromkeys(upcoming):
             if wanted == name or self.streamed[wanted].slot is not None:
                 continue
