@@ -305,7 +305,7 @@ def test_the_trace_reports_streamed_blocks_in_its_records_table_json_and_timelin
     ledger_blocks = [(r.block, r.direction, r.nbytes, r.kind) for r in stream_records(pipe)]
     assert [(r.block, r.direction, r.nbytes, r.kind) for r in blocks] == ledger_blocks
     streaming = [r.resident_bytes for r in blocks if r.component == "transformer"]
-    assert 0 < max(streaming) <= budget and streaming[-1] == 0  # resident blocks and ring, then nothing
+    assert 0 < max(streaming) <= budget and streaming[-1] == 0  # its blocks on the device, then nothing
     per_call = sum(r.nbytes for r in blocks if r.direction == "onload")
     caption = recorded.table().caption
     assert "`transformer` streamed its blocks" in caption and doe_size(per_call) in caption

@@ -182,10 +182,6 @@ class BlockStreams:
         if any(streamer.uses.values()):
             self.learned[name] = (tuple(streamer.order), dict(streamer.uses))
 
-    def device_bytes(self, name: str) -> int:
-        plan = self.plans.get(name) if name in self.active else None  # stopping: it is leaving the device
-        return 0 if plan is None else plan.device_bytes
-
     def status(self, name: str) -> Optional[BlockStatus]:
         streamer, plan = self.active.get(name), self.plans.get(name)
         if streamer is None or plan is None:

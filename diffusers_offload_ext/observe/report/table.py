@@ -43,7 +43,7 @@ def streamed_notes(trace) -> List[str]:
         lines.append(
             f"`{name}` streamed its blocks ({len({r.block for r in onloads})} moved): {format_size(total / max(len(calls), 1))}"
             f" per call, {format_size(total / max(len(steps), 1))} per denoising step; its lane's shade is its "
-            "resident blocks and ring."
+            "blocks on the device."
         )
     return lines
 

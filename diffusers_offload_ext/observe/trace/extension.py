@@ -27,6 +27,7 @@ class ExtensionMoves:
         self.recorder = recorder
         self.active = active
         self.session = None
+        self.blocks: dict = {}  # component -> block -> bytes on the device, for streaming components
 
     def follow(self, session) -> None:
         """Be told of `session`'s moves (`None`: of no session's), and no longer of another session's."""
@@ -54,8 +55,10 @@ class ExtensionMoves:
             if readable:
                 self.placement.remember(name, module)
             block = getattr(record, "block", None)
-            if block is not None:  # a streaming component holds its resident blocks and its ring
-                self.recorder.resident[name] = self.session.streams.device_bytes(name)
+            if block is not None:  # a streaming component: the bytes of its blocks on the device, from its moves
+                held = self.blocks.setdefault(name, {})
+                held[block] = record.nbytes if direction == ONLOAD else 0
+                self.recorder.resident[name] = sum(held.values())
             else:
                 onloaded = self.placement.resident_bytes(name, target) if readable else record.nbytes
                 self.recorder.resident[name] = onloaded if direction == ONLOAD else 0

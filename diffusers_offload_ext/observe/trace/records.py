@@ -47,7 +47,7 @@ class TraceRecord:
         timing (`str` or `None`): `"cuda-events"`, `"wall-clock"` or `None`.
         where (`str`): The hook method or pipeline method running when it was seen, or `"between hooks"`.
         resident_bytes (`int`): Bytes of the component on the execution device after the move (of a streaming
-            component: its resident blocks and its ring).
+            component: its blocks on the device, resident or in the ring).
         block (`str` or `None`): For a component that streams its blocks (larger than the memory budget), the block
             that moved; `None` for a move of the whole component.
     """
