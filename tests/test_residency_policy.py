@@ -225,6 +225,41 @@ def test_never_moves_more_bytes_than_stock(workload, keep_between, zero_copy):
         assert all(mine <= theirs for mine, theirs in cumulative)
 
 
+@SETTINGS
+@given(workload=workloads(), keep_between=st.booleans(), zero_copy=st.booleans(), share=st.integers(0, 4))
+def test_streaming_beside_resident_components_keeps_the_budget_and_never_moves_more_than_stock(
+    workload, keep_between, zero_copy, share
+):
+    """With `Facts.can_stream` (here: a component streams when `share` quarters of it fit the room), a component that
+    does not fit beside the resident ones may stream in the room they leave: the room plus what stays within the
+    budget, and (a stream modelled as a whole onload, exact for a component run once) no more bytes than stock."""
+    names, sizes, trace, budget = workload
+
+    def can_stream(name, room):
+        return room * 4 >= sizes[name] * share
+
+    streaming = {}
+
+    def check(event, resident, decision):
+        for direction, name in decision.moves:
+            if direction == STREAM:
+                streaming[name] = decision.overflow.limit
+            elif direction == OFFLOAD:
+                streaming.pop(name, None)
+        held = sum(streaming.get(n, sizes[n]) for n in resident)
+        alone = len(resident) == 1 and sizes[next(iter(resident))] > (budget or 0)
+        if budget is not None and not alone:
+            assert held <= budget, (event, resident, streaming, budget)
+        if event not in (None, END):
+            assert event in resident
+
+    policy = manager(names, sizes, budget, keep_between, zero_copy)
+    ours = replay_trace(policy, trace, sizes, zero_copy=zero_copy, check=check, can_stream=can_stream)
+    base = simulate(stock(names), trace, sizes)
+    if budget is None or base.peak <= budget:
+        assert ours.copied <= base.copied
+
+
 # Traces on which a wrong prediction made the manager, without its credit against stock, move more bytes than stock
 # when evictions copy back (found by random search; with the credit it never does).
 WRONG_PREDICTIONS = [

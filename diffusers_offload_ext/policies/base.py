@@ -20,8 +20,9 @@ Move = Tuple[str, str]
 
 
 class Overflow(NamedTuple):
-    """A component that did not fit in the room the budget left even alone: it streams its blocks within `limit`
-    bytes (it is loaded alone where it cannot)."""
+    """A component that streams its blocks within `limit` bytes: it did not fit in the room the budget left even
+    alone (it is loaded alone where it cannot stream), or not beside the resident components (`limit` is the room
+    they leave)."""
 
     component: str
     nbytes: int
@@ -49,10 +50,13 @@ class Facts(NamedTuple):
         sizes (`Mapping[str, int]`): Current bytes of each component (parameters and buffers).
         capacity (`Callable[[int], Optional[int]]`, *optional*): Given the bytes of weights resident now, the bytes
             the device can hold now (`None`: no limit known). Only on devices whose free memory can be read.
+        can_stream (`Callable[[str, int], bool]`, *optional*): Whether a component can run block by block within a
+            room of that many bytes (`None`: never asked; a component that fits alone is then loaded whole).
     """
 
     sizes: Mapping[str, int]
     capacity: Optional[Callable[[int], Optional[int]]] = None
+    can_stream: Optional[Callable[[str, int], bool]] = None
 
 
 class Policy:

@@ -75,12 +75,13 @@ def _checked(items: Iterable[Item]) -> Tuple[Item, ...]:
 
 def keep_most_used(items: Iterable[Item], room: int) -> FrozenSet:
     """Keys of the blocks to keep within `room` bytes: most uses first (ties: larger first, then given order), each
-    block that still fits. At most one block's value (`nbytes * uses`) short of the best choice."""
+    block that still fits; never a block without uses (keeping it would only cost its copy). At most one block's
+    value (`nbytes * uses`) short of the best choice."""
     items = _checked(items)
     order = sorted(range(len(items)), key=lambda i: (-items[i].uses, -items[i].nbytes, i))
     kept, left = set(), int(room)
     for i in order:
-        if items[i].nbytes <= left:
+        if items[i].uses and items[i].nbytes <= left:
             kept.add(items[i].key)
             left -= items[i].nbytes
     return frozenset(kept)

@@ -1,6 +1,10 @@
 """`ResidencyPolicy`: the residency manager's decisions. Keep components on the device within a memory budget, from
 one call to the next if asked, and evict what the predicted future needs least.
 
+A component that does not fit even alone streams its blocks within the limit (`STREAM`, carried out by the runtime,
+see `blocks.py`); one that fits alone but not beside the resident ones streams in the room they leave instead of
+evicting them, when the prediction runs it only once more in the call and the runtime says it can (`Facts.can_stream`).
+
 Components move to the device only when they run (loading on demand never costs more bytes than loading ahead).
 When one would not fit, the resident components that are not running are split into those to keep and those to
 evict so as to minimise the host-to-device bytes of the *predicted* future: the trace of the previous call (on the
@@ -14,7 +18,7 @@ from __future__ import annotations
 from typing import AbstractSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 from ..calls import CallTracker
-from ..constants import OFFLOAD, ONLOAD, STREAM
+from ..constants import END, OFFLOAD, ONLOAD, STREAM
 from .base import NOTHING, Decision, Facts, Overflow, Policy
 from .choice import exact_choice, greedy_choice
 from .chain import renamed
@@ -136,6 +140,9 @@ class ResidencyPolicy(Policy):
             overflow, keep = Overflow(name, need, limit), set()
         else:
             keep = self._choose(name, others, limit)
+            beside = stream_beside(self, name, others, keep, limit, facts)
+            if beside is not None:
+                return beside
         evicted = [n for n in others if n not in keep]
         self.shadow.count(evicted=sum(self.sizes[n] for n in evicted))
         return Decision.of([(OFFLOAD, n) for n in evicted] + [(STREAM if overflow else ONLOAD, name)], overflow)
@@ -159,7 +166,7 @@ class ResidencyPolicy(Policy):
         if limit is None or held <= limit:
             return Decision()
         room = limit - (self.sizes.get(name, 0) if name in self.hooked else 0)
-        keep = self._choose_greedy(others, room)
+        keep = choose_greedy(self, others, room)
         return Decision.of((OFFLOAD, n) for n in others if n not in keep)
 
     # -- decisions --------------------------------------------------------------------------------------------------
@@ -182,7 +189,7 @@ class ResidencyPolicy(Policy):
         """Which of `others` to keep with `name` (`None`: at a call boundary) within `limit` bytes."""
         room = limit - (self.sizes[name] if name is not None else 0)
         if not self.exact:
-            return self._choose_greedy(others, room)
+            return choose_greedy(self, others, room)
         learned = bool(self.calls.history)
         tables = []
         if name is not None and not learned:
@@ -193,10 +200,6 @@ class ResidencyPolicy(Policy):
         if len(tables) > 1:
             self.planner.plan = None  # the next events tell which guess was right; plan again then
         return keep
-
-    def _choose_greedy(self, others: List[str], room: int) -> Set[str]:
-        upcoming = self.planner.upcoming(self.calls.current, self.model, self.chain, bool(self.calls.history))
-        return greedy_choice(upcoming, others, self.sizes, room, self.shadow.protected(others, self.sizes, room))
 
     # -- bookkeeping ------------------------------------------------------------------------------------------------
     def _advance(self, name: str) -> None:
@@ -235,3 +238,24 @@ class ResidencyPolicy(Policy):
                 room = max(int(capacity) - stays_bytes, 0)
                 limit = room if limit is None else min(limit, room)
         return limit
+
+
+def stream_beside(policy: ResidencyPolicy, name: str, others: List[str], keep: Set[str], limit: int, facts: Facts):
+    """Stream `name` in the room the resident components leave instead of evicting some of them, when the
+    prediction runs it no more in this call (a text encoder): its bytes cross the bus once either way, and what
+    would have been evicted does not have to come back. `None` when that does not apply."""
+    if facts.can_stream is None or all(n in keep for n in others):
+        return None
+    upcoming = policy.planner.upcoming(policy.calls.current, policy.model, policy.chain, bool(policy.calls.history))
+    rest = upcoming[: upcoming.index(END)] if END in upcoming else upcoming
+    room = limit - sum(policy.sizes[n] for n in others)
+    if name in rest or room <= 0 or not facts.can_stream(name, room):
+        return None
+    return Decision(((STREAM, name),), Overflow(name, policy.sizes[name], room))
+
+
+def choose_greedy(policy: ResidencyPolicy, others: List[str], room: int) -> Set[str]:
+    """Above `max_exact` components: which of `others` to keep within `room` bytes, by the greedy rule."""
+    upcoming = policy.planner.upcoming(policy.calls.current, policy.model, policy.chain, bool(policy.calls.history))
+    protected = policy.shadow.protected(others, policy.sizes, room)
+    return greedy_choice(upcoming, others, policy.sizes, room, protected)

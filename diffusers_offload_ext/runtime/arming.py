@@ -217,7 +217,7 @@ def _policy(session: Session, arming: Arming):
     capacity = None
     if options.residency:
         capacity = memory.capacity(arming.device, options.memory_reserve if arming.auto_budget else 0)
-    session.facts = Facts(Sizes(session), capacity)
+    session.facts = Facts(Sizes(session), capacity, session.streams.can_stream)
     if not options.residency:
         keep = True if options.keep_all else options.keep
         return ChainPolicy.for_layout(layout, excluded=arrangement.excluded, keep=keep)

@@ -40,6 +40,37 @@ class BlockStatus(NamedTuple):
     bytes_per_pass: int
 
 
+def stream_plan(module, room: int, uses: Optional[Dict[str, int]] = None) -> Tuple[Optional[StreamPlan], list, str]:
+    """`(plan, blocks, why not)`: how `module` streams within `room` bytes (`policies.blocks.plan_stream` over its
+    blocks, ring slots sized as the ring lays blocks out, its rest kept, each block weighed by `uses`, 1 if not
+    given); the plan is `None` when it cannot stream, and `why not` says why."""
+    blocks = find_blocks(module)
+    if not [b for b in blocks if b.name != REST]:
+        return None, blocks, "it has no repeated blocks to stream"
+    for block in blocks:
+        odd = [t for t in _tensors(block) if not streamable(t)]
+        if block.name != REST and odd:
+            return None, blocks, f"block `{block.name}` holds a tensor that cannot stream ({type(odd[0]).__name__})"
+    known = bool(uses)  # from the last stream: a block that did not run then weighs nothing
+    items = [
+        Item(b.name, b.nbytes if b.name == REST else aligned_nbytes(_tensors(b)), uses.get(b.name, 0) if known else 1)
+        for b in blocks
+    ]
+    plan = plan_stream(items, room, depth=DEPTH, forced=[REST] if blocks[0].name == REST else [])
+    if plan is None:
+        rest = blocks[0].nbytes if blocks[0].name == REST else 0
+        smallest = min(i.nbytes for i in items if i.key != REST)
+        return (
+            None,
+            blocks,
+            (
+                f"its rest ({format_size(rest)}) and a ring of {DEPTH + 1} buffers of at least {format_size(smallest)} "
+                f"do not fit in {format_size(room)}"
+            ),
+        )
+    return plan, blocks, ""
+
+
 def _tensors(block):
     return [(sub._parameters if is_param else sub._buffers)[key] for sub, is_param, key in block.slots]
 
@@ -55,38 +86,14 @@ class BlockStreams:
         self.said: Set[str] = set()  # components whose streaming (or failure to) was logged
 
     def plan(self, name: str, room: int) -> Tuple[Optional[StreamPlan], list, str]:
-        """`(plan, blocks, why not)` for component `name` within `room` bytes; the plan is `None` when it cannot
-        stream, and `why not` says why."""
-        module = self.session.modules[name]
-        blocks = find_blocks(module)
-        if not [b for b in blocks if b.name != REST]:
-            return None, blocks, "it has no repeated blocks to stream"
-        for block in blocks:
-            odd = [t for t in _tensors(block) if not streamable(t)]
-            if block.name != REST and odd:
-                return (
-                    None,
-                    blocks,
-                    f"block `{block.name}` holds a tensor that cannot stream ({type(odd[0]).__name__})",
-                )
+        """`(plan, blocks, why not)` for component `name` within `room` bytes (see `stream_plan`), weighed by the
+        uses its blocks had the last time it streamed."""
         _, uses = self.learned.get(name, (None, {}))
-        items = [
-            Item(b.name, b.nbytes if b.name == REST else aligned_nbytes(_tensors(b)), max(uses.get(b.name, 1), 1))
-            for b in blocks
-        ]
-        plan = plan_stream(items, room, depth=DEPTH, forced=[REST] if blocks[0].name == REST else [])
-        if plan is None:
-            rest = blocks[0].nbytes if blocks[0].name == REST else 0
-            smallest = min(i.nbytes for i in items if i.key != REST)
-            return (
-                None,
-                blocks,
-                (
-                    f"its rest ({format_size(rest)}) and a ring of {DEPTH + 1} buffers of at least {format_size(smallest)} "
-                    f"do not fit in {format_size(room)}"
-                ),
-            )
-        return plan, blocks, ""
+        return stream_plan(self.session.modules[name], room, uses)
+
+    def can_stream(self, name: str, room: int) -> bool:
+        """Whether component `name` can run block by block within `room` bytes (`Facts.can_stream`)."""
+        return name in self.session.modules and self.plan(name, room)[0] is not None
 
     def start(self, name: str, room: int) -> Tuple[Optional[StreamPlan], str]:
         """Start streaming component `name` within `room` bytes; `(plan, "")`, or `(None, why not)` with nothing
@@ -131,8 +138,8 @@ class BlockStreams:
         if plan is not None:
             if not said:
                 logger.info(
-                    f"`{name}` ({format_size(overflow.nbytes)}) is larger than the memory budget left for offloaded "
-                    f"components ({format_size(overflow.limit)}): it streams. {len(plan.kept)} of "
+                    f"`{name}` ({format_size(overflow.nbytes)}) does not fit in the room the memory budget leaves it "
+                    f"({format_size(overflow.limit)}): it streams. {len(plan.kept)} of "
                     f"{len(plan.kept) + len(plan.streamed)} blocks stay on the device ({format_size(plan.kept_bytes)}), "
                     f"the others pass through {plan.slots} buffers of {format_size(plan.slot_bytes)} as they run."
                 )
@@ -180,7 +187,7 @@ class BlockStreams:
     def _learn(self, name: str, streamer: BlockStreamer) -> None:
         self.plans.pop(name, None)
         if any(streamer.uses.values()):
-            self.learned[name] = (tuple(streamer.order), dict(streamer.uses))
+            self.learned[name] = (tuple(streamer.runs), dict(streamer.uses))
 
     def status(self, name: str) -> Optional[BlockStatus]:
         streamer, plan = self.active.get(name), self.plans.get(name)

@@ -74,7 +74,6 @@ class Session:
         self.entries: Dict = {}
         self.hooks: Dict[str, object] = {}
         self.resident: Set[str] = set()
-        self.streams = BlockStreams(self)
         self.active = False
         #: Whether the tensors say where they are (the transfer's `readable`, kept here for the hot path).
         self.readable = False
@@ -86,7 +85,8 @@ class Session:
         self.plan_cache: dict = {}
         self.ending = 0
         self.failing = False
-        self.facts = Facts(Sizes(self))
+        self.streams = BlockStreams(self)
+        self.facts = Facts(Sizes(self), can_stream=self.streams.can_stream)
         self._names: Dict[int, str] = {}
 
     def name_of(self, module: torch.nn.Module) -> Optional[str]:
@@ -235,7 +235,9 @@ class Session:
 
     def end_of_call(self) -> None:
         """Offload is armed again with nothing changed: the end of a call (`maybe_free_model_hooks()`), or an enable
-        with the same options. Hooks and policy stay; only the policy's moves are made."""
+        with the same options. Hooks and policy stay; only the policy's moves are made. A streaming component stops
+        first: what stays for the next call is chosen among whole components."""
+        self.stop_streams()
         if self.ending and self.calls.in_call and not self.calls.ended:
             self.calls.end_trace(self.failing)
             self.carry_out(self.policy.on_call_end(self.resident, self.facts))

@@ -74,6 +74,24 @@ class _Streamed:
         self.views, self.marks, self.running = [], [], False
 
 
+def _device_of(slots) -> Optional[torch.device]:
+    """Where the first tensor in `slots` is (`None`: it is gone)."""
+    sub, is_param, key = slots[0]
+    tensor = (sub._parameters if is_param else sub._buffers).get(key)
+    return None if tensor is None else tensor.device
+
+
+def _move_slots(slots, device: torch.device) -> None:
+    """Move the tensors in `slots` to `device` (a parameter keeps its object; a buffer is replaced)."""
+    with torch.no_grad():
+        for sub, is_param, key in slots:
+            table = sub._parameters if is_param else sub._buffers
+            if is_param:
+                table[key].data = table[key].data.to(device)
+            else:
+                table[key] = table[key].to(device)
+
+
 class BlockStreamer:
     """Streams the blocks of `component` that `plan` does not keep.
 
@@ -88,7 +106,8 @@ class BlockStreamer:
             given); the prefetch follows it, and learns the real order from the first pass.
         check (`bool`, defaults to `True`): Fingerprint the kept blocks (False: their eviction always copies back).
         passes (`int`, *optional*): How many forwards the component is expected to run (as many as last time): the
-            prefetch runs ahead across the end of a forward into the next one, except after the last.
+            prefetch runs ahead across the end of a forward into the next one, except after the last (and never
+            when not given).
     """
 
     def __init__(
@@ -100,7 +119,8 @@ class BlockStreamer:
         self.kept = [b for b in blocks if b.name in set(plan.kept)]
         self.streamed: Dict[str, _Streamed] = {b.name: _Streamed(b) for b in blocks if b.name not in set(plan.kept)}
         known = [n for n in (order or ()) if n in self.streamed]
-        self.order = known + [n for n in self.streamed if n not in known]
+        #: The streamed blocks in the order they run (the prefetch follows it): last time's, else module order.
+        self.runs = known or list(self.streamed)
         self.slot_bytes, self.slots = plan.slot_bytes, plan.slots
         self.uses: Dict[str, int] = {block.name: 0 for block in blocks}
         self.seen: List[str] = []
@@ -116,13 +136,7 @@ class BlockStreamer:
         """Kept blocks to the device, the ring allocated, hooks on the streamed blocks, the first blocks prefetched."""
         for block in self.kept:
             copy = HostCopy(self.component, self.check, only=block.slots)
-            with torch.no_grad():
-                for sub, is_param, key in block.slots:
-                    table = sub._parameters if is_param else sub._buffers
-                    if is_param:
-                        table[key].data = table[key].data.to(self.device)
-                    else:
-                        table[key] = table[key].to(self.device)
+            _move_slots(block.slots, self.device)
             copy.seal(self.component)
             self.copies[block.name] = copy
             self.emit(block.name, ONLOAD, block.nbytes, COPY)
@@ -138,8 +152,9 @@ class BlockStreamer:
             self._handles.append(
                 block.module.register_forward_pre_hook(lambda m, a, name=block.name: self._count(name))
             )
-        for name in self.order[: self.depth]:
-            self._load(name, ahead=True)
+        if self.passes is not None:  # the order is known: the first blocks cross while the rest runs
+            for name in self.runs[: self.depth]:
+                self._load(name, ahead=True)
 
     def settle(self) -> None:
         """Release every block in the ring (a failed call left one running, or prefetches were never used)."""
@@ -155,6 +170,7 @@ class BlockStreamer:
         """Everything back on the host: streamed blocks released, kept blocks evicted (without a copy when they are
         unchanged), the ring let go, the hooks removed."""
         self.settle()
+        self._learned()
         self._unhook()
         for block in self.kept:
             copy = self.copies.pop(block.name)
@@ -163,33 +179,21 @@ class BlockStreamer:
                 self.emit(block.name, OFFLOAD, block.nbytes, DROP)
                 continue
             if not copy.write_back(self.component):
-                with torch.no_grad():
-                    for sub, is_param, key in block.slots:
-                        table = sub._parameters if is_param else sub._buffers
-                        if is_param:
-                            table[key].data = table[key].data.to(HOST)
-                        else:
-                            table[key] = table[key].to(HOST)
+                _move_slots(block.slots, HOST)  # a new shape or dtype: only a fresh host copy can hold it
             self.emit(block.name, OFFLOAD, block.nbytes, COPY)
 
     def abandon(self) -> None:
         """The weights were moved some other way: stop streaming where they are now (nothing is copied)."""
+        self._learned()
         self._unhook()
         self.copier.drain()
         self.ring, self.copies = None, {}
 
     def intact(self) -> bool:
         """Whether the weights are where streaming put them: kept blocks on the device, streamed ones on the host."""
-        for block in self.kept:
-            sub, is_param, key = block.slots[0]
-            tensor = (sub._parameters if is_param else sub._buffers).get(key)
-            if tensor is None or tensor.device != self.device:
-                return False
-        for block in self.streamed.values():
-            tensor = block.tables[0][0].get(block.tables[0][1])
-            if not block.running and (tensor is None or tensor.device != HOST):
-                return False
-        return True
+        if any(_device_of(block.slots) != self.device for block in self.kept):
+            return False
+        return all(block.running or _device_of(block.slots) == HOST for block in self.streamed.values())
 
     def _unhook(self) -> None:
         for handle in self._handles:
@@ -231,21 +235,37 @@ class BlockStreamer:
     def _count(self, name: str) -> None:
         self.uses[name] += 1
 
+    @property
+    def order(self) -> List[str]:
+        """Every streamed block: those that run, in their order, then the others."""
+        return self.runs + [n for n in self.streamed if n not in self.runs]
+
+    def _learned(self) -> None:
+        """A pass that never repeated (one forward) is the order too."""
+        if self.seen:
+            self.runs = list(self.seen)
+        self.seen = None
+
     def _learn(self, name: str) -> None:
         if self.seen is None:
             return
         if name in self.seen:
-            self.order = self.seen + [n for n in self.order if n not in self.seen]
+            self.runs = list(self.seen)
             self.seen = None  # one pass is the order
         else:
             self.seen.append(name)
 
     def _prefetch(self, name: str) -> None:
-        index = self.order.index(name)
-        last = self.passes is not None and self.uses[name] >= self.passes  # no next forward to prefetch for
-        upcoming = [self.order[(index + k) % len(self.order)] for k in range(1, self.depth + 1)]
+        if name not in self.runs:
+            return  # a block that did not run before: nothing known to follow it
+        runs = self.runs
+        index = runs.index(name)
+        # Past the end of a forward into the next only when one is expected (never on a first stream: no bytes for a
+        # forward that may not come).
+        last = self.passes is None or self.uses[name] >= self.passes
+        upcoming = [runs[(index + k) % len(runs)] for k in range(1, self.depth + 1)]
         if last:
-            upcoming = upcoming[: max(len(self.order) - 1 - index, 0)]
+            upcoming = upcoming[: max(len(runs) - 1 - index, 0)]
         for wanted in dict.fromkeys(upcoming):
             if wanted == name or self.streamed[wanted].slot is not None:
                 continue
