@@ -399,3 +399,71 @@ def test_a_component_that_fits_alone_but_not_beside_the_resident_ones_streams_in
     replayed = doe.replay_trace(whole, trace, sizes, zero_copy=True)
     for call in (1, 2):
         assert ledger.copied_bytes(call_index=call) < replayed.per_call[call]
+
+
+class FakeCuda:
+    """Stands in for `torch.cuda`'s streams and events: records what the CUDA copier asks for, in order."""
+
+    def __init__(self):
+        self.log = []
+        self.current = self.Stream("compute", self)
+
+    class Stream:
+        def __init__(self, name, cuda):
+            self.name, self.cuda = name, cuda
+
+        def wait_event(self, event):
+            self.cuda.log.append((self.name, "waits", event.name))
+
+        def synchronize(self):
+            self.cuda.log.append((self.name, "synchronize"))
+
+    def Event(self):
+        cuda = self
+
+        class Event:
+            def __init__(self):
+                self.name = f"event{sum(1 for entry in cuda.log if entry[1] == 'records')}"
+
+            def record(self, stream):
+                cuda.log.append((stream.name, "records", self.name))
+
+        return Event()
+
+    def current_stream(self, device=None):
+        return self.current
+
+    def stream(self, stream):
+        import contextlib
+
+        @contextlib.contextmanager
+        def on():
+            saved, self.current = self.current, stream
+            yield
+            self.current = saved
+
+        return on()
+
+
+def test_the_cuda_copier_orders_copies_after_the_readers_and_compute_after_the_copies(monkeypatch):
+    from diffusers_offload_ext.transfer.ring import CudaCopier
+
+    fake = FakeCuda()
+    for name in ("Event", "current_stream", "stream"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    copy_stream = FakeCuda.Stream("copy", fake)
+    copier = CudaCopier(copy_stream, torch.device("cuda", 0))
+    seen = []
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, non_blocking=False: seen.append(non_blocking))
+    freed = copier.mark()  # the compute work that read the buffer
+    token = copier.copy([(torch.zeros(2), torch.ones(2))], after=freed)
+    copier.wait(token)
+    copier.drain()
+    assert seen == [True]  # a non-blocking copy
+    assert fake.log == [
+        ("compute", "records", "event0"),  # mark: on the compute stream
+        ("copy", "waits", "event0"),  # the copy stream waits for the readers of the buffer
+        ("copy", "records", "event1"),  # the copy is done when this event is
+        ("compute", "waits", "event1"),  # the block runs after its copy
+        ("copy", "synchronize"),  # before the ring is let go
+    ]
