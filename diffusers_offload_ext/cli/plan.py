@@ -131,7 +131,7 @@ def render(result: dict, columns: int) -> List[str]:
     lines += output.table(headers, rows, columns, [False, False, False, True, True])
     lines += output.heading("Predicted transfers, GiB over the bus (legend below):", columns)
     lines += _strategy_table(result, columns)
-    lines += [""] + _legend(result, columns) + [""] + _verdict(result, columns)
+    lines += [""] + _legend(result, columns) + [""] + _blocks(result, columns) + _verdict(result, columns)
     return lines
 
 
@@ -188,6 +188,41 @@ def _legend(result: dict, columns: int) -> List[str]:
     for text in texts:
         lines += output.wrap(text, columns, "  ")
     return lines
+
+
+def _blocks(result: dict, columns: int) -> List[str]:
+    """Block residency: nothing when the largest component fits; else its plan beside sequential and group offload."""
+    entry = result.get("block_residency") or {}
+    if not entry.get("needed"):
+        return []
+    name = entry["component"]
+    lines = output.heading(
+        f"Block residency: {name} ({output.gib(entry['component_bytes'])} GiB) does not fit the budget's "
+        f"{output.gib(max(entry['room_bytes'], 0))} GiB and streams block by block:",
+        columns,
+    )
+    if not entry["available"]:
+        return lines + output.wrap(entry["reason"] + ".", columns, "  ") + [""]
+    blocks = entry["blocks"]
+    lines += output.wrap(
+        f"{len(blocks['resident'])} of {len(blocks['resident']) + len(blocks['streamed'])} blocks stay on the device "
+        f"({output.gib(entry['kept_bytes'])} GiB), the others pass through a ring of "
+        f"{output.gib(entry['ring_bytes'])} GiB: {output.gib(entry['streamed_bytes_per_forward'])} GiB streamed at "
+        f"each of its {entry['forwards_per_generation']} forwards per generation; "
+        f"{output.gib(entry['device_bytes'])} GiB on the device.",
+        columns,
+        "  ",
+    )
+    fits = "" if entry.get("stock_fits", True) else " (does not fit)"
+    labels = {"blocks": "blocks (ours)", "sequential": "sequential", "group": "group (block level)"}
+    labels["stock"] = f"stock{fits}"
+    rows = [
+        [labels[k], output.gib(v), f"{entry['seconds_per_generation_at_assumed_bandwidth'][k]:,.2f}"]
+        for k, v in entry["bytes_per_generation"].items()
+    ]
+    lines += output.table(["strategy", "GiB/gen", "s/gen*"], rows, columns, [False, True, True])
+    lines += output.wrap(f"* {entry['note']}.", columns, "  ")
+    return lines + [""]
 
 
 def _verdict(result: dict, columns: int) -> List[str]:

@@ -7,6 +7,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Union
 
 from ..units import format_size
 from .bounds import MAX_GENERATIONS, MAX_STEPS, parse_bytes, parse_count, parse_rate
+from .block_model import block_residency
 from .generations import Generations, replay_generations
 from .model import Model, load_model
 from .strategies import STRATEGIES, Strategy, all_strategies, largest_offloaded
@@ -80,7 +81,9 @@ def plan(
         (class, dtype, parameters, bytes), `layout`, `chain`, one generation's `call_trace`, and per strategy in
         `strategies` the call, `setup_bytes` (once, at enable) and fields whose names say whether they include it,
         seconds at the assumed bandwidths, `peak_bytes` and whether it fits; then `recommended` (or `None`) and
-        `notes` saying why a strategy is not recommended.
+        `notes` saying why a strategy is not recommended; `block_residency` (`models.block_model`): when the largest
+        offloaded component does not fit the budget, how it streams and what that, sequential and group offload
+        move per generation.
 
     Raises:
         `PlanError`: bad input. `MissingPackage`: a component to build on meta needs a missing package.
@@ -105,7 +108,17 @@ def plan(
         entries[name] = strategy_entry(strategy, moved, request)
     notes = _unavailable(entries, loaded, request)
     recommended = recommend(entries, loaded, request, notes)
-    return _result(loaded, request, call, entries, recommended, notes)
+    result = _result(loaded, request, call, entries, recommended, notes)
+    blocks = block_residency(model, loaded, request, call, components)
+    if blocks.get("available"):  # stock beside it: its bytes, and whether its peak fits the card at all
+        stock = entries["stock"]
+        blocks["bytes_per_generation"]["stock"] = stock["first_generation_bytes_excluding_setup"]
+        blocks["seconds_per_generation_at_assumed_bandwidth"]["stock"] = stock["seconds_at_assumed_bandwidth"][
+            "first_generation_excluding_setup"
+        ]
+        blocks["stock_fits"] = stock["fits_without_reserve"]
+    result["block_residency"] = blocks
+    return result
 
 
 def strategy_entry(strategy: Strategy, moved: Generations, request: Request) -> dict:
@@ -160,7 +173,8 @@ def _unavailable(entries: Dict[str, dict], loaded: Model, request: Request) -> L
         return []
     reason = (
         f"memory_budget {format_size(limit)} (--vram minus --reserve) cannot hold {largest} "
-        f"({format_size(loaded.sizes[largest])}): the manager would load it alone, over its budget"
+        f"({format_size(loaded.sizes[largest])}): it streams block by block (see block residency; the "
+        "whole-component figures of this row do not apply)"
     )
     entries["residency"].update(recommendable=False, reason=reason)
     return [f"budget not recommended: {reason}."]
@@ -177,7 +191,8 @@ def recommend(entries: Dict[str, dict], loaded: Model, request: Request, notes: 
         detail = f" ({largest} alone is {format_size(loaded.sizes[largest])})" if largest else ""
         notes.append(
             f"No strategy's peak fits in the card's {format_size(request.vram)}{detail}: use a smaller dtype "
-            "(--dtype denoiser=fp8), pipe.enable_group_offload(...) or pipe.enable_sequential_cpu_offload()."
+            "(--dtype denoiser=fp8), a memory_budget (it streams block by block: see block residency), "
+            "pipe.enable_group_offload(...) or pipe.enable_sequential_cpu_offload()."
         )
         return None
     name, entry = min(

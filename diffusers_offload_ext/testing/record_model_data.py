@@ -155,14 +155,35 @@ def record_model(model: str, pipelines: Optional[dict] = None) -> dict:
     }
 
 
+def record_blocks() -> dict:
+    """Block element counts of every component of every shipped spec, built on meta (`models.block_model`)."""
+    from ..models.block_model import block_counts
+
+    components = {}
+    for model in shipped_models():
+        for entry in load_spec(model)["components"].values():
+            key = config_key(entry["class"], entry["config"])
+            components[key] = block_counts(entry["class"], entry.get("library"), entry["config"])
+    return {"format": "diffusers-offload-blocks", "version": 1, "components": dict(sorted(components.items()))}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="Regenerate (or --check) the shipped model data.")
     parser.add_argument("--models", nargs="*", default=None, help="models to record (default: every shipped one)")
     parser.add_argument("--check", action="store_true", help="compare with the shipped data; write nothing")
+    parser.add_argument("--blocks", action="store_true", help="write the block counts (models/data/blocks.json)")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
+    if args.blocks:
+        from ..models.block_model import BLOCKS_FILE
+
+        with open(BLOCKS_FILE, "w", encoding="utf-8") as f:
+            json.dump(record_blocks(), f, indent=1)
+            f.write("\n")
+        print(f"wrote {BLOCKS_FILE}")
+        return 0
     pipelines: dict = {}
     differs = []
     for model in args.models or shipped_models():
