@@ -116,3 +116,28 @@ def test_the_shipped_block_counts_are_those_of_a_build_on_meta():
                 assert [b[0] for b in recorded] == [b[0] for b in built], (model, entry["class"])
             compared.add(entry["class"])
     assert {"FluxTransformer2DModel", "T5EncoderModel", "CLIPTextModel", "AutoencoderKL"} <= compared
+
+
+def test_the_residency_benchmarks_block_column():
+    """`benchmarks/residency.py`'s modelled block residency: within the budget by construction, everything kept once
+    when everything fits, and fewer bytes than the whole-component optimum where the denoiser fits but not beside
+    the text encoder (FLUX.1-dev at 24 GiB)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "residency.py"
+    spec = importlib.util.spec_from_file_location("residency_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    sizes = bench.sizes_of("flux")
+    from diffusers_offload_ext.models import load_model
+
+    call = load_model("flux-dev").call_trace(28)
+    items = bench.block_items("flux", sizes, call)
+    assert sum(i.nbytes for i in items) == pytest.approx(sum(sizes.values()), abs=len(items))
+    assert bench.block_optimum(items, 80 * GiB, 10) == sum(i.nbytes for i in items)  # all kept, copied once
+    plan = plan_stream(items, 16 * GiB)
+    assert plan.device_bytes <= 16 * GiB
+    trace = bench.workload_trace(call, 10)
+    row = bench.evaluate("flux", trace, 10, 24 * GiB, sizes)
+    assert row["blocks"] < row["optimum"]
