@@ -77,6 +77,20 @@ CONFIGS = (
         "ours",
         {"memory_budget": BUDGET, "keep_on_device_between_generations": True, "pin_memory": True, "prefetch": True},
     ),
+    # Budgets below FLUX.1-dev's 23.8 GB transformer: it streams its blocks (issue 11); compare with the two below.
+    *(
+        Config(
+            f"stream-{budget}-prefetch",
+            "ours",
+            {
+                "memory_budget": budget,
+                "keep_on_device_between_generations": True,
+                "pin_memory": True,
+                "prefetch": True,
+            },
+        )
+        for budget in ("16GiB", "8GiB")
+    ),
     Config("sequential", "sequential", {}),
     Config("group", "group", {"offload_type": "block_level", "num_blocks_per_group": 1, "use_stream": True}),
 )

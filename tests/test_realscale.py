@@ -71,6 +71,8 @@ def test_tiny_run_is_one_json_document_with_every_configuration(realscale, tiny_
         "pinned-zero-copy",
         "pinned-keep",
         "pinned-residency-budget-prefetch",
+        "stream-16GiB-prefetch",  # page-locked memory: CUDA only
+        "stream-8GiB-prefetch",
         "sequential",
         "group",
     }
