@@ -17,7 +17,6 @@ from typing import Dict, List, Mapping, Optional
 
 from ..policies import DEPTH, Item, plan_stream
 from ..units import format_size
-from .errors import PlanError
 from .recorded import DATA_DIR, config_key
 from .sizes import ITEMSIZE
 from .specs import load_spec, override_component
@@ -36,30 +35,13 @@ OVERLAP_NOTE = (
 @functools.lru_cache(maxsize=16)
 def _block_counts(class_name: str, library: Optional[str], config_json: str) -> tuple:
     """`((block, floating elements, ((dtype, elements), ...)), ...)` of the class built on meta."""
-    import torch
-
     from ..blocks import find_blocks
-    from .meta import model_class
+    from .meta import build_on_meta, tally
 
-    cls, lib = model_class(class_name, library)
-    config = {k: v for k, v in json.loads(config_json).items() if not k.startswith("_")}
-    try:
-        with torch.device("meta"):
-            model = cls.from_config(config) if lib == "diffusers" else cls(cls.config_class(**config))
-    except Exception as error:
-        raise PlanError(f"Cannot build {class_name} from its config on the meta device: {error}") from error
     found = []
-    for block in find_blocks(model):
-        floating, other = 0, {}
-        for sub, is_param, key in block.slots:
-            tensor = (sub._parameters if is_param else sub._buffers)[key]
-            if tensor.is_floating_point():
-                floating += tensor.numel()
-            else:
-                name = str(tensor.dtype).replace("torch.", "")
-                if name not in ITEMSIZE:
-                    raise PlanError(f"{class_name} has a tensor of dtype {name}, which the planner cannot size.")
-                other[name] = other.get(name, 0) + tensor.numel()
+    for block in find_blocks(build_on_meta(class_name, library, config_json)):
+        tensors = [(sub._parameters if is_param else sub._buffers)[key] for sub, is_param, key in block.slots]
+        floating, other = tally(tensors, class_name)
         found.append((block.name, floating, tuple(sorted(other.items()))))
     return tuple(found)
 

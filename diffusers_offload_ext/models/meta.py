@@ -1,6 +1,6 @@
 """Element counts of a model class built from its config on the `meta` device (no weights allocated or read): what
 the recorder ships, and what a spec or `--component` with a config that was not recorded needs. The only module of
-the planner that imports torch, diffusers or transformers."""
+the planner that imports diffusers or transformers (and, with `block_model`'s block split, torch), always lazily."""
 
 from __future__ import annotations
 
@@ -50,22 +50,27 @@ def count_elements(class_name: str, library: Optional[str], config: Mapping) -> 
     return counts
 
 
-@functools.lru_cache(maxsize=64)
-def _count(class_name: str, library: Optional[str], config_json: str) -> tuple:
+def build_on_meta(class_name: str, library: Optional[str], config_json: str):
+    """The model `class_name` built from its config (JSON text) on the `meta` device: no weights allocated.
+
+    Raises:
+        `MissingPackage`, `PlanError`: see `model_class`; `PlanError` too when the config does not build.
+    """
     import torch
 
     cls, lib = model_class(class_name, library)
     config = {k: v for k, v in json.loads(config_json).items() if not k.startswith("_")}
     try:
         with torch.device("meta"):
-            model = cls.from_config(config) if lib == "diffusers" else cls(cls.config_class(**config))
+            return cls.from_config(config) if lib == "diffusers" else cls(cls.config_class(**config))
     except Exception as error:
         raise PlanError(f"Cannot build {class_name} from its config on the meta device: {error}") from error
-    seen, floating, other = set(), 0, {}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
+
+
+def tally(tensors, class_name: str) -> Tuple[int, dict]:
+    """`(floating elements, {dtype: elements} of the others)` of `tensors` (each given once) of `class_name`."""
+    floating, other = 0, {}
+    for tensor in tensors:
         if tensor.is_floating_point():
             floating += tensor.numel()
         else:
@@ -73,6 +78,15 @@ def _count(class_name: str, library: Optional[str], config_json: str) -> tuple:
             if dtype not in ITEMSIZE:
                 raise PlanError(f"{class_name} has a tensor of dtype {dtype}, which the planner cannot size.")
             other[dtype] = other.get(dtype, 0) + tensor.numel()
+    return floating, other
+
+
+@functools.lru_cache(maxsize=64)
+def _count(class_name: str, library: Optional[str], config_json: str) -> tuple:
+    model = build_on_meta(class_name, library, config_json)
+    _, lib = model_class(class_name, library)
+    unique = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    floating, other = tally(unique.values(), class_name)
     parameters = sum(p.numel() for p in model.parameters())
     return (
         ("class", class_name),
