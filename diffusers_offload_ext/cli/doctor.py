@@ -231,7 +231,8 @@ def _bandwidth_rows(measured: dict) -> List[list]:
          + (f", {rate['d2h_page_locked']} page-locked" if locked else "")],
         ["plan with them", f"--h2d-bandwidth {rate['h2d_pageable'].replace(' ', '')} "
          f"--d2h-bandwidth {rate['d2h_fresh'].replace(' ', '')}"
-         " (stock's moves: pageable host memory)"],
+         + (f" --pinned-bandwidth {rate['h2d_page_locked'].replace(' ', '')}" if locked else "")
+         + " (stock's moves: pageable host memory; block residency's: page-locked)"],
     ]  # fmt: skip
 
 

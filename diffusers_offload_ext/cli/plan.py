@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import List
 
 from ..models.bounds import MAX_GENERATIONS, MAX_STEPS, REPLAYED_GENERATIONS, format_rate
-from ..models.plan import DEFAULT_BANDWIDTH, DEFAULT_RESERVE, DEFAULT_VRAM
+from ..models.plan import DEFAULT_BANDWIDTH, DEFAULT_PINNED_BANDWIDTH, DEFAULT_RESERVE, DEFAULT_VRAM
 from . import output
 
 HELP = "predict the bytes each offload strategy moves per generation, and the call to use"
@@ -34,6 +34,18 @@ def add_parser(commands, common) -> None:
     )
     p.add_argument("--preview", action="store_true", help="a step callback decodes a preview with the VAE every step")
     add_bandwidth_arguments(p, "the bytes")
+    p.add_argument(
+        "--pinned-bandwidth",
+        default=DEFAULT_PINNED_BANDWIDTH,
+        help="ASSUMED host-to-device bandwidth from page-locked memory, for block residency's and group offload's "
+        f"copies (default: {DEFAULT_PINNED_BANDWIDTH}, PCIe 4.0 x16; `diffusers-offload doctor` measures it on CUDA)",
+    )
+    p.add_argument(
+        "--step-seconds",
+        help="seconds one denoiser forward takes on the card without offload (measure it; e.g. seconds per image "
+        "without offload / steps): block residency then models seconds per image, streamed copies hidden behind "
+        "compute up to it (default: none, the copies alone)",
+    )
     p.add_argument(
         "--dtype",
         action="append",
@@ -83,6 +95,8 @@ def run(args) -> int:
         steps=args.steps,
         generations=args.generations,
         preview=args.preview,
+        pinned_bandwidth=args.pinned_bandwidth,
+        step_seconds=args.step_seconds,
         **bandwidths(args),
     )
     check_request(**request)  # bad numbers are reported before a missing --model
@@ -191,38 +205,74 @@ def _legend(result: dict, columns: int) -> List[str]:
 
 
 def _blocks(result: dict, columns: int) -> List[str]:
-    """Block residency: nothing when the largest component fits; else its plan beside sequential and group offload."""
+    """Block residency: nothing when every offloaded component fits the budget together; else how the components
+    larger than it stream, the static block optimum, and bytes and seconds beside sequential, group and stock."""
     entry = result.get("block_residency") or {}
     if not entry.get("needed"):
         return []
-    name = entry["component"]
     lines = output.heading(
-        f"Block residency: {name} ({output.gib(entry['component_bytes'])} GiB) does not fit the budget's "
-        f"{output.gib(max(entry['room_bytes'], 0))} GiB and streams block by block:",
+        f"Block residency: the components do not fit the budget's {output.gib(max(entry['room_bytes'], 0))} GiB "
+        "together (block sizes from builds on the meta device; GiB per generation below):",
         columns,
     )
-    if not entry["available"]:
-        return lines + output.wrap(entry["reason"] + ".", columns, "  ") + [""]
-    blocks = entry["blocks"]
-    lines += output.wrap(
-        f"{len(blocks['resident'])} of {len(blocks['resident']) + len(blocks['streamed'])} blocks stay on the device "
-        f"({output.gib(entry['kept_bytes'])} GiB), the others pass through a ring of "
-        f"{output.gib(entry['ring_bytes'])} GiB: {output.gib(entry['streamed_bytes_per_forward'])} GiB streamed at "
-        f"each of its {entry['forwards_per_generation']} forwards per generation; "
-        f"{output.gib(entry['device_bytes'])} GiB on the device.",
-        columns,
-        "  ",
-    )
-    fits = "" if entry.get("stock_fits", True) else " (does not fit)"
-    labels = {"blocks": "blocks (ours)", "sequential": "sequential", "group": "group (block level)"}
-    labels["stock"] = f"stock{fits}"
-    rows = [
-        [labels[k], output.gib(v), f"{entry['seconds_per_generation_at_assumed_bandwidth'][k]:,.2f}"]
-        for k, v in entry["bytes_per_generation"].items()
-    ]
-    lines += output.table(["strategy", "GiB/gen", "s/gen*"], rows, columns, [False, True, True])
-    lines += output.wrap(f"* {entry['note']}.", columns, "  ")
+    for name, stream in entry["streaming"].items():
+        lines += output.wrap(_streaming_text(name, stream), columns, "  ", "- ")
+    lines += output.wrap(_optimum_text(entry["optimum"]), columns, "  ", "- ")
+    headers = ["strategy", "first", "steady", "s first*", "s steady*", "fits"]
+    rows = []
+    for row in entry["rows"].values():
+        steady = row["steady_generation_bytes"]
+        fits = {True: "yes", False: "no", None: "-"}[row.get("fits")]
+        rows.append(
+            [
+                row["label"],
+                output.gib(row["first_generation_bytes"]),
+                "-" if steady is None else output.gib(steady),
+                f"{row['seconds_first']:,.2f}",
+                "-" if row["seconds_steady"] is None else f"{row['seconds_steady']:,.2f}",
+                fits,
+            ]
+        )
+    lines += output.table(headers, rows, columns, [False] + [True] * 4 + [False])
+    assumptions = entry["assumptions"]
+    rates = {k: format_rate(assumptions[f"{k}_bytes_per_s"]) for k in ("pinned", "pageable", "d2h")}
+    for text in (
+        "GiB per generation (one call, one image): first, and steady once the calls repeat. fits: the weights' "
+        "peak within the budget (stock: within the card); sequential and group offload hold about one block.",
+        f"* ASSUMED bandwidths, not measured: page-locked {rates['pinned']} (--pinned-bandwidth), pageable "
+        f"{rates['pageable']} host-to-device and {rates['d2h']} back: {assumptions['bandwidth']}.",
+        f"* {assumptions['overlap'][0].upper()}{assumptions['overlap'][1:]}.",
+    ):
+        lines += output.wrap(text, columns, "  ")
     return lines + [""]
+
+
+def _streaming_text(name: str, stream: dict) -> str:
+    if not stream["available"]:
+        return stream["reason"] + "."
+    blocks = stream["blocks"]
+    total = len(blocks["resident"]) + len(blocks["streamed"])
+    return (
+        f"{name} ({output.gib(stream['component_bytes'])} GiB) does not fit and streams (budget row): "
+        f"{len(blocks['resident'])} of {total} blocks stay on the device while it runs "
+        f"({output.gib(stream['kept_bytes'])} GiB), the others pass through a ring of {stream['slots']} buffers "
+        f"({output.gib(stream['ring_bytes'])} GiB): {output.gib(stream['streamed_bytes_per_forward'])} GiB per "
+        f"forward, {stream['forwards_per_generation']} forward(s) per generation; "
+        f"{output.gib(stream['device_bytes'])} GiB on the device."
+    )
+
+
+def _optimum_text(optimum: dict) -> str:
+    if not optimum["available"]:
+        return f"Static block optimum: {optimum['reason']}."
+    kept = ", ".join(f"{n} {len(b['kept'])}/{b['of']}" for n, b in optimum["blocks"].items())
+    return (
+        "Static block optimum (modelled; the runtime does not do this): the blocks used most per generation kept "
+        f"for good across calls ({kept}: {output.gib(optimum['kept_bytes'])} GiB), one ring "
+        f"({output.gib(optimum['ring_bytes'])} GiB) for the others, streamed at each use: "
+        f"{output.gib(optimum['streamed_bytes_per_generation'])} GiB per generation. A static choice, not a bound: "
+        "where components run one after another, the runtime's loads per call can move less."
+    )
 
 
 def _verdict(result: dict, columns: int) -> List[str]:

@@ -3,11 +3,12 @@ templates) and the transfer planner behind `diffusers-offload plan`. Importing i
 
 from .errors import MissingPackage, PlanError
 from .model import Model, load_model
-from .plan import DEFAULT_BANDWIDTH, DEFAULT_RESERVE, DEFAULT_VRAM, plan
+from .plan import DEFAULT_BANDWIDTH, DEFAULT_PINNED_BANDWIDTH, DEFAULT_RESERVE, DEFAULT_VRAM, plan
 from .specs import shipped_models
 
 __all__ = [
     "DEFAULT_BANDWIDTH",
+    "DEFAULT_PINNED_BANDWIDTH",
     "DEFAULT_RESERVE",
     "DEFAULT_VRAM",
     "MissingPackage",

@@ -1,11 +1,14 @@
-"""Block residency in the planner: each component's block sizes from a build on the meta device, and what running a
-denoiser larger than the budget block by block moves per generation, beside sequential and group offload.
+"""Block residency in the planner: each component's block sizes (from a build on the meta device), the stream plan
+the runtime would make for a component within a room, and the residency manager's replay with its streams counted
+block by block.
 
-A model, not a replay: the denoiser keeps the blocks `policies.blocks.plan_stream` keeps within the room the budget
-leaves it and streams the others at each of its forwards; every other component is loaded whole when it runs after
-the denoiser did (streaming evicts everything else), as the runtime does. Sequential offload and diffusers' group
-offloading (block level) both move every weight of a component at each of its forwards. Ring buffers are sized
-without the runtime's 256-byte alignment of each tensor (under 0.01 % at real sizes). Importing it needs no torch.
+The residency manager answers `STREAM` for a component larger than the room it has (and for one that runs once
+beside the resident components, `Facts.can_stream`); `policies.replay_trace` books such a stream as one onload of the
+whole component. `replay_streaming` replays the same policy with the runtime's answer to `can_stream` (a plan of
+`policies.plan_stream` exists: the component has repeated blocks, its rest and a ring fit) and books each stream as
+the runtime moves it: the plan's kept blocks once when the stream starts, and the streamed blocks at every use of the
+component while it streams (one pass per forward); as in the runtime, streams stop at every call's end. Ring buffers are sized without the runtime's 256-byte alignment
+of each tensor (under 0.01 % at real sizes). Importing it needs no torch.
 """
 
 from __future__ import annotations
@@ -13,23 +16,18 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..policies import DEPTH, Item, plan_stream
-from ..units import format_size
+from ..constants import END, OFFLOAD, ONLOAD, STREAM
+from ..policies import DEPTH, Decision, Item, ReplayedMove, StreamPlan, plan_stream, replay_trace
 from .recorded import DATA_DIR, config_key
 from .sizes import ITEMSIZE
 from .specs import load_spec, override_component
 
 #: Block element counts of the shipped models' components (`testing/record_model_data.py --blocks` writes it).
 BLOCKS_FILE = os.path.join(DATA_DIR, "blocks.json")
-#: The strategies the block model compares, in the order they are shown.
-BLOCK_STRATEGIES = ("blocks", "sequential", "group")
-OVERLAP_NOTE = (
-    "seconds are the transfer time alone at the assumed host-to-device bandwidth, not overlapped with compute: with "
-    "a copy stream (prefetch=True; group offload's use_stream=True) streamed copies overlap the compute of the block "
-    "before, an assumption the planner does not model (it knows no compute times)"
-)
+#: The name `blocks.REST` gives what no repeated block holds (`blocks.py` imports torch; this module must not).
+REST = "<rest>"
 
 
 @functools.lru_cache(maxsize=16)
@@ -82,58 +80,114 @@ def spec_entry(model: str, components, name: str) -> Mapping:
     return spec["components"][name]
 
 
-def others_bytes(call: List[str], hooked, sizes: Mapping[str, int], denoiser: str) -> int:
-    """Bytes of the other components per generation: each loaded when it runs and is not on the device, everything
-    but the denoiser evicted when the denoiser streams."""
-    on_device, moved = set(), 0
-    for name in call:
-        if name == denoiser:
-            on_device.clear()
-        elif name in hooked and name not in on_device:
-            moved += sizes[name]
-            on_device.add(name)
-    return moved
+class BlockPlans:
+    """The blocks of a planned model's components and the stream plan of each within a room, as the runtime makes
+    them (`runtime.block_streams.stream_plan`: every block weighed once per forward, the rest kept).
+
+    Args:
+        model (`str`): The shipped model name or spec path.
+        dtypes (`Mapping[str, str]`): The weights dtype of each component (the plan's, overrides applied).
+        components (`Sequence[str]`, *optional*): The `--component` replacements.
+    """
+
+    def __init__(self, model: str, dtypes: Mapping[str, str], components: Sequence[str] = ()) -> None:
+        self.model, self.dtypes, self.components = model, dict(dtypes), tuple(components)
+        self._blocks: Dict[str, Dict[str, int]] = {}
+        self._plans: Dict[Tuple[str, int], Optional[StreamPlan]] = {}
+
+    @classmethod
+    def of(cls, blocks: Mapping[str, Mapping[str, int]]) -> "BlockPlans":
+        """Plans over given block sizes (`{component: doe.block_sizes(module)}`), for components built here."""
+        plans = cls("", {})
+        plans._blocks = {name: dict(sizes) for name, sizes in blocks.items()}
+        return plans
+
+    def blocks(self, name: str) -> Dict[str, int]:
+        """`{block: bytes}` of component `name`, the rest first."""
+        if name not in self._blocks:
+            self._blocks[name] = block_bytes(spec_entry(self.model, self.components, name), self.dtypes[name])
+        return self._blocks[name]
+
+    def plan(self, name: str, room: int) -> Optional[StreamPlan]:
+        """How component `name` streams within `room` bytes; `None` when it cannot (no repeated blocks, or its rest
+        and the smallest ring do not fit)."""
+        key = (name, int(room))
+        if key not in self._plans:
+            blocks = self.blocks(name)
+            plan = None
+            if any(block != REST for block in blocks):
+                items = [Item(block, nbytes, 1) for block, nbytes in blocks.items()]
+                forced = [REST] if REST in blocks else []
+                plan = plan_stream(items, max(int(room), 0), depth=DEPTH, forced=forced)
+            self._plans[key] = plan
+        return self._plans[key]
+
+    def can_stream(self, name: str, room: int) -> bool:
+        """`Facts.can_stream`, as the runtime answers it."""
+        return self.plan(name, room) is not None
 
 
-def block_residency(model: str, loaded, request, call: List[str], components=()) -> dict:
-    """The `block_residency` entry of a plan: whether the largest offloaded component streams within the budget,
-    its plan, and bytes and transfer seconds per generation for block residency, sequential and group offload."""
-    arranged = loaded.layout.arrange()
-    sizes = loaded.sizes
-    hooked = [n for n in arranged.hooked if n in sizes]
-    if not hooked:
-        return {"needed": False, "reason": "no component is offloaded"}
-    denoiser = max(hooked, key=lambda n: sizes[n])
-    room = request.vram - request.reserve - sum(sizes[n] for n in arranged.round_trip if n in sizes)
-    base = {"component": denoiser, "component_bytes": sizes[denoiser], "room_bytes": room}
-    if sizes[denoiser] <= room:
-        return dict(base, needed=False, reason=f"{denoiser} fits in the budget: nothing streams")
-    blocks = block_bytes(spec_entry(model, components, denoiser), loaded.components[denoiser]["dtype"])
-    items = [Item(name, nbytes, 1) for name, nbytes in blocks.items()]
-    plan = plan_stream(items, max(room, 0), depth=DEPTH, forced=["<rest>"] if "<rest>" in blocks else [])
-    if plan is None:
-        reason = (
-            f"the budget leaves {format_size(max(room, 0))} for {denoiser}: its rest and a ring of {DEPTH + 1} of "
-            "its blocks do not fit; raise --vram or lower --reserve"
-        )
-        return dict(base, needed=True, available=False, reason=reason)
-    forwards = call.count(denoiser)
-    per_generation = {
-        "blocks": others_bytes(call, hooked, sizes, denoiser) + plan.kept_bytes + forwards * plan.streamed_bytes,
-        "sequential": sum(sizes[n] for n in call if n in hooked),
-    }
-    per_generation["group"] = per_generation["sequential"]
-    return dict(
-        base,
-        needed=True,
-        available=True,
-        blocks={"resident": list(plan.kept), "streamed": list(plan.streamed)},
-        kept_bytes=plan.kept_bytes,
-        ring_bytes=plan.ring_bytes,
-        device_bytes=plan.device_bytes,
-        streamed_bytes_per_forward=plan.streamed_bytes,
-        forwards_per_generation=forwards,
-        bytes_per_generation=per_generation,
-        seconds_per_generation_at_assumed_bandwidth={k: v / request.h2d_rate for k, v in per_generation.items()},
-        note=OVERLAP_NOTE,
+class StopsStreams:
+    """`policy` as the runtime drives it when components stream: at a call's end every streaming component stops
+    (is offloaded) before the policy chooses what stays (`Session.end_of_call`), so the policy chooses among whole
+    components. Everything else is `policy`'s own answer."""
+
+    def __init__(self, policy) -> None:
+        self.policy, self.calls, self.streaming = policy, policy.calls, set()
+
+    def _seen(self, decision: Decision) -> Decision:
+        for direction, name in decision.moves:
+            (self.streaming.add if direction == STREAM else self.streaming.discard)(name)
+        return decision
+
+    def on_enable(self, resident, facts) -> Decision:
+        return self._seen(self.policy.on_enable(resident, facts))
+
+    def on_call_start(self, calls) -> Decision:
+        return self._seen(self.policy.on_call_start(calls))
+
+    def on_use(self, name, resident, facts) -> Decision:
+        return self._seen(self.policy.on_use(name, resident, facts))
+
+    def on_call_end(self, resident, facts) -> Decision:
+        stopped = [(OFFLOAD, name) for name in sorted(self.streaming)]
+        self.streaming.clear()
+        decision = self.policy.on_call_end(set(resident) - {name for _, name in stopped}, facts)
+        return self._seen(Decision.of(stopped + list(decision.moves), decision.overflow))
+
+
+def replay_streaming(policy, trace: Sequence[str], sizes: Mapping[str, int], plans: BlockPlans, *, zero_copy: bool):
+    """`(moves, peak)` of `policy` over `trace` (see `policies.replay_trace`) with streams booked block by block:
+    a stream's onload is its kept blocks, each use of a streaming component adds one pass of its streamed blocks
+    (a move of kind `STREAM`), and the peak counts a streaming component at its kept blocks and ring. A component
+    that cannot stream is loaded whole, and a streaming one stops at the call's end, as the runtime does."""
+    decisions = []
+    result = replay_trace(
+        StopsStreams(policy),
+        trace,
+        sizes,
+        zero_copy=zero_copy,
+        can_stream=plans.can_stream,
+        check=lambda event, resident, decision: decisions.append((event, decision)),
     )
+    moves, held, streaming, peak, calls = iter(result.moves), {}, {}, 0, 0
+    booked: List[ReplayedMove] = []
+    for event, decision in decisions:
+        for direction, name in decision.moves:
+            move = next(moves)
+            plan = plans.plan(name, decision.overflow.limit) if direction == STREAM else None
+            if plan is not None:
+                streaming[name], held[name] = plan, plan.device_bytes
+                move = move._replace(nbytes=plan.kept_bytes)
+            elif move.direction == ONLOAD:
+                held[name] = sizes[name]
+            else:
+                held.pop(name, None)
+                stopped = streaming.pop(name, None)
+                move = move._replace(nbytes=stopped.kept_bytes) if stopped is not None else move
+            booked.append(move)
+        if event in streaming:
+            booked.append(ReplayedMove(ONLOAD, event, streaming[event].streamed_bytes, STREAM, calls))
+        calls += event == END
+        peak = max(peak, sum(held.values()))
+    return booked, peak

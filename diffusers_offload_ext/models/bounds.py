@@ -4,7 +4,7 @@ rejects bad input with a `PlanError` naming the argument."""
 from __future__ import annotations
 
 import re
-from typing import Union
+from typing import Optional, Union
 
 from ..units import SizeError, format_size, parse_size
 from .errors import PlanError
@@ -77,3 +77,29 @@ def parse_rate(value: Union[int, float, str], *, argument: str) -> int:
 def format_rate(rate: float) -> str:
     """`rate` bytes per second in binary units (`"11.2 GiB/s"`)."""
     return f"{format_size(rate)}/s"
+
+
+#: Most seconds `--step-seconds` accepts for one denoiser forward.
+MAX_STEP_SECONDS = 3600.0
+
+
+def parse_seconds(value: Union[int, float, str, None], *, argument: str) -> Optional[float]:
+    """Seconds in `value` (`"0.08"`, `0.08`), above 0 and at most `MAX_STEP_SECONDS`; `None` stays `None`.
+
+    Raises:
+        `PlanError`: anything else, naming `argument`.
+    """
+    if value is None:
+        return None
+    text = str(value).strip()
+    try:
+        number = float(text) if len(text) <= 32 else float("nan")
+    except ValueError:
+        number = float("nan")
+    if not 0 < number <= MAX_STEP_SECONDS:  # also rejects nan
+        raise PlanError(
+            f"`{argument}` must be seconds above 0 and at most {MAX_STEP_SECONDS:g}, got {text[:40]!r}: give the "
+            "seconds one denoiser forward takes on the card without offload, such as 0.08.",
+            argument,
+        )
+    return number

@@ -1,14 +1,15 @@
-"""What a strategy moves over many generations: its policy replayed (`policies.replay_trace`, the one replay) over
-the first generations, the bytes split by direction and by generation, and the rest extrapolated from the period
-the replayed generations settle into."""
+"""What a strategy moves over many generations: its policy replayed (`policies.replay_trace`, the one replay; with
+streams booked block by block, `block_model.replay_streaming`) over the first generations, the bytes split by
+direction and by generation, and the rest extrapolated from the period the replayed generations settle into."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import FrozenSet, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from ..constants import COPY, END, ONLOAD
+from ..constants import COPY, END, ONLOAD, STREAM
 from ..policies import replay_trace
+from .block_model import replay_streaming
 from .bounds import REPLAYED_GENERATIONS
 
 #: Longest period (in generations) looked for in the replayed generations.
@@ -54,6 +55,9 @@ class Generations(NamedTuple):
         replayed (`int`): Generations replayed move by move; the others are extrapolated.
         period (`int` or `None`): The period the replayed generations settled into (`None`: all replayed, or no
             period found and the mean of the last replayed generations extrapolated).
+        calls (`Tuple[Moved, ...]`): Each replayed generation.
+        passes (`Tuple[Dict[str, Tuple[int, int]], ...]`): Per replayed generation, `{component: (passes, bytes)}`
+            of the components that streamed their blocks (their passes are in `h2d`, not in `onloads`).
     """
 
     setup: Moved
@@ -63,6 +67,8 @@ class Generations(NamedTuple):
     generations: int
     replayed: int
     period: Optional[int]
+    calls: Tuple[Moved, ...] = ()
+    passes: Tuple[Dict[str, Tuple[int, int]], ...] = ()
 
     @property
     def extrapolated(self) -> bool:
@@ -70,30 +76,43 @@ class Generations(NamedTuple):
 
 
 def replay_generations(
-    policy, call: Sequence[str], sizes: Mapping[str, int], generations: int, *, zero_copy: bool
+    policy, call: Sequence[str], sizes: Mapping[str, int], generations: int, *, zero_copy: bool, plans=None
 ) -> Generations:
     """Replay `policy` over `generations` calls of `call` from an all-on-host pipeline (at most
-    `REPLAYED_GENERATIONS` of them move by move)."""
+    `REPLAYED_GENERATIONS` of them move by move); with `plans` (`block_model.BlockPlans`), components that stream
+    are booked block by block."""
     replayed = min(generations, REPLAYED_GENERATIONS)
-    result = replay_trace(policy, (list(call) + [END]) * replayed, sizes, zero_copy=zero_copy)
-    setup, per_call, states = _split(result.moves, replayed)
+    trace = (list(call) + [END]) * replayed
+    if plans is None:
+        result = replay_trace(policy, trace, sizes, zero_copy=zero_copy)
+        moves, peak = result.moves, result.peak
+    else:
+        moves, peak = replay_streaming(policy, trace, sizes, plans, zero_copy=zero_copy)
+    setup, per_call, states, passes = _split(moves, replayed)
     period = None
     rest = Moved()
     if generations > replayed:
         period = find_period(list(zip(per_call, states)))
         rest = extrapolate(per_call, period, generations - replayed)
-    return Generations(setup, per_call[0], total(per_call) + rest, result.peak, generations, replayed, period)
+    total_moved = total(per_call) + rest
+    return Generations(
+        setup, per_call[0], total_moved, peak, generations, replayed, period, tuple(per_call), tuple(passes)
+    )
 
 
-def _split(moves, calls: int) -> Tuple[Moved, List[Moved], List[FrozenSet[str]]]:
-    """Setup, each call's `Moved`, and the resident set at each call's end."""
+def _split(moves, calls: int):
+    """Setup, each call's `Moved`, the resident set at each call's end, and each call's block passes."""
     setup, per_call = Moved(), [Moved() for _ in range(calls)]
     states: List[Optional[FrozenSet[str]]] = [None] * calls
+    passes: List[Dict[str, Tuple[int, int]]] = [{} for _ in range(calls)]
     resident = set()
     for move in moves:
-        copied = move.nbytes if move.kind == COPY else 0
+        if move.kind == STREAM:
+            count, nbytes = passes[move.call].get(move.component, (0, 0))
+            passes[move.call][move.component] = (count + 1, nbytes + move.nbytes)
+        copied = move.nbytes if move.kind in (COPY, STREAM) else 0
         onload = move.direction == ONLOAD
-        moved = Moved(copied if onload else 0, 0 if onload else copied, int(onload))
+        moved = Moved(copied if onload else 0, 0 if onload else copied, int(onload and move.kind != STREAM))
         (resident.add if onload else resident.discard)(move.component)
         if move.call is None:
             setup = setup + moved
@@ -103,7 +122,7 @@ def _split(moves, calls: int) -> Tuple[Moved, List[Moved], List[FrozenSet[str]]]
     for index in range(calls):  # a call without moves ends as the one before it
         if states[index] is None:
             states[index] = states[index - 1] if index else frozenset()
-    return setup, per_call, states
+    return setup, per_call, states, passes
 
 
 def find_period(calls: Sequence) -> Optional[int]:

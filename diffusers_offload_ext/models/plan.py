@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Dict, List, NamedTuple, Optional, Sequence, Union
 
 from ..units import format_size
-from .bounds import MAX_GENERATIONS, MAX_STEPS, parse_bytes, parse_count, parse_rate
-from .block_model import block_residency
+from .block_compare import block_residency
+from .block_model import BlockPlans
+from .bounds import MAX_GENERATIONS, MAX_STEPS, parse_bytes, parse_count, parse_rate, parse_seconds
 from .generations import Generations, replay_generations
 from .model import Model, load_model
 from .strategies import STRATEGIES, Strategy, all_strategies, largest_offloaded
@@ -17,9 +18,13 @@ DEFAULT_VRAM = "24GiB"
 DEFAULT_RESERVE = "3GiB"
 #: Assumed, not measured: pageable host memory over PCIe 4.0 x16 (diffusers' offload copies from pageable memory).
 DEFAULT_BANDWIDTH = "12GB/s"
+#: Assumed, not measured: page-locked host memory over PCIe 4.0 x16 (what `pin_memory=True` and group offloading with
+#: `use_stream=True` copy from; `diffusers-offload doctor` measures it on a CUDA machine).
+DEFAULT_PINNED_BANDWIDTH = "24GB/s"
 BANDWIDTH_NOTE = (
-    "assumed, not measured (default: pageable host memory over PCIe 4.0 x16, about 12 GB/s each way); seconds = "
-    "bytes host-to-device / h2d bandwidth + bytes device-to-host / d2h bandwidth"
+    "assumed or given, never measured by the planner (defaults: pageable host memory over PCIe 4.0 x16, about 12 GB/s "
+    "each way, and page-locked about 24 GB/s host-to-device); strategy seconds = bytes host-to-device / h2d bandwidth "
+    "+ bytes device-to-host / d2h bandwidth; block_residency prices page-locked copies at the pinned bandwidth"
 )
 
 
@@ -33,9 +38,22 @@ class Request(NamedTuple):
     preview: bool
     h2d_rate: int
     d2h_rate: int
+    pinned_rate: int
+    step_seconds: Optional[float]
 
 
-def check_request(*, vram, reserve, steps, generations, preview, h2d_bandwidth, d2h_bandwidth) -> Request:
+def check_request(
+    *,
+    vram,
+    reserve,
+    steps,
+    generations,
+    preview,
+    h2d_bandwidth,
+    d2h_bandwidth,
+    pinned_bandwidth=DEFAULT_PINNED_BANDWIDTH,
+    step_seconds=None,
+) -> Request:
     """Every argument parsed and bounded, before any work (`PlanError` names the first bad one)."""
     return Request(
         vram=parse_bytes(vram, argument="--vram"),
@@ -45,6 +63,8 @@ def check_request(*, vram, reserve, steps, generations, preview, h2d_bandwidth, 
         preview=bool(preview),
         h2d_rate=parse_rate(h2d_bandwidth, argument="--h2d-bandwidth"),
         d2h_rate=parse_rate(d2h_bandwidth, argument="--d2h-bandwidth"),
+        pinned_rate=parse_rate(pinned_bandwidth, argument="--pinned-bandwidth"),
+        step_seconds=parse_seconds(step_seconds, argument="--step-seconds"),
     )
 
 
@@ -58,6 +78,8 @@ def plan(
     preview: bool = False,
     h2d_bandwidth: Union[str, int] = DEFAULT_BANDWIDTH,
     d2h_bandwidth: Union[str, int] = DEFAULT_BANDWIDTH,
+    pinned_bandwidth: Union[str, int] = DEFAULT_PINNED_BANDWIDTH,
+    step_seconds: Optional[Union[float, str]] = None,
     dtypes: Sequence[str] = (),
     components: Sequence[str] = (),
 ) -> dict:
@@ -72,7 +94,11 @@ def plan(
             `REPLAYED_GENERATIONS` are replayed move by move, the rest extrapolated from their period.
         preview (`bool`, defaults to `False`): A step callback decodes a preview with the VAE every step.
         h2d_bandwidth, d2h_bandwidth (`str` or `int`, defaults to `"12GB/s"`): ASSUMED bandwidths that price the
-            bytes in seconds, host-to-device and device-to-host.
+            bytes in seconds, host-to-device and device-to-host (pageable host memory).
+        pinned_bandwidth (`str` or `int`, defaults to `"24GB/s"`): ASSUMED host-to-device bandwidth from page-locked
+            memory, for the copies of block residency and group offloading in `block_residency`.
+        step_seconds (`float` or `str`, *optional*): Seconds of one denoiser forward on the card without offload;
+            with it `block_residency` models seconds per image, streamed copies hidden behind compute up to it.
         dtypes (`Sequence[str]`, *optional*): `COMPONENT=DTYPE` overrides (`denoiser=fp8` for every denoiser).
         components (`Sequence[str]`, *optional*): `NAME=CONFIG.json` / `NAME=CLASS:CONFIG.json` replacements.
 
@@ -81,9 +107,10 @@ def plan(
         (class, dtype, parameters, bytes), `layout`, `chain`, one generation's `call_trace`, and per strategy in
         `strategies` the call, `setup_bytes` (once, at enable) and fields whose names say whether they include it,
         seconds at the assumed bandwidths, `peak_bytes` and whether it fits; then `recommended` (or `None`) and
-        `notes` saying why a strategy is not recommended; `block_residency` (`models.block_model`): when the largest
-        offloaded component does not fit the budget, how it streams and what that, sequential and group offload
-        move per generation.
+        `notes` saying why a strategy is not recommended; `block_residency` (`models.block_compare`): when the
+        offloaded components do not fit the budget together, how those larger than it stream, the modelled block
+        optimum across components, and bytes and seconds per generation beside sequential, group and stock offload.
+        The residency manager's row streams as the runtime does (`models.block_model.replay_streaming`).
 
     Raises:
         `PlanError`: bad input. `MissingPackage`: a component to build on meta needs a missing package.
@@ -96,28 +123,29 @@ def plan(
         preview=preview,
         h2d_bandwidth=h2d_bandwidth,
         d2h_bandwidth=d2h_bandwidth,
+        pinned_bandwidth=pinned_bandwidth,
+        step_seconds=step_seconds,
     )
     loaded = load_model(model, dtypes, components)
     call = loaded.call_trace(request.steps, request.preview)
-    budget = request.vram - request.reserve
-    entries = {}
-    for name, strategy in all_strategies(loaded.layout, loaded.sizes, loaded.denoisers, budget).items():
-        moved = replay_generations(
-            strategy.policy, call, loaded.sizes, request.generations, zero_copy=strategy.zero_copy
+    plans = BlockPlans(model, {n: c["dtype"] for n, c in loaded.components.items()}, components)
+    entries, moved = {}, {}
+    strategies = all_strategies(loaded.layout, loaded.sizes, loaded.denoisers, request.vram - request.reserve)
+    for name, strategy in strategies.items():
+        moved[name] = replay_generations(
+            strategy.policy,
+            call,
+            loaded.sizes,
+            request.generations,
+            zero_copy=strategy.zero_copy,
+            plans=plans if name == "residency" else None,
         )
-        entries[name] = strategy_entry(strategy, moved, request)
+        entries[name] = strategy_entry(strategy, moved[name], request)
     notes = _unavailable(entries, loaded, request)
     recommended = recommend(entries, loaded, request, notes)
     result = _result(loaded, request, call, entries, recommended, notes)
-    blocks = block_residency(model, loaded, request, call, components)
-    if blocks.get("available"):  # stock beside it: its bytes, and whether its peak fits the card at all
-        stock = entries["stock"]
-        blocks["bytes_per_generation"]["stock"] = stock["first_generation_bytes_excluding_setup"]
-        blocks["seconds_per_generation_at_assumed_bandwidth"]["stock"] = stock["seconds_at_assumed_bandwidth"][
-            "first_generation_excluding_setup"
-        ]
-        blocks["stock_fits"] = stock["fits_without_reserve"]
-    result["block_residency"] = blocks
+    budget = strategies["residency"].budget if "residency" in strategies else None
+    result["block_residency"] = block_residency(loaded, request, call, plans, moved, budget)
     return result
 
 
@@ -169,12 +197,12 @@ def _unavailable(entries: Dict[str, dict], loaded: Model, request: Request) -> L
         return [f"budget not evaluated: {reason}."]
     largest = largest_offloaded(loaded.layout, loaded.sizes)
     limit = entries["residency"]["budget_bytes"]
-    if largest is None or limit >= loaded.sizes[largest]:
+    if largest is None or entries["residency"]["peak_bytes"] <= limit:
         return []
     reason = (
         f"memory_budget {format_size(limit)} (--vram minus --reserve) cannot hold {largest} "
-        f"({format_size(loaded.sizes[largest])}): it streams block by block (see block residency; the "
-        "whole-component figures of this row do not apply)"
+        f"({format_size(loaded.sizes[largest])}), and {largest} cannot stream its blocks within it (see block "
+        "residency): it would run alone, over the budget"
     )
     entries["residency"].update(recommendable=False, reason=reason)
     return [f"budget not recommended: {reason}."]
@@ -191,8 +219,8 @@ def recommend(entries: Dict[str, dict], loaded: Model, request: Request, notes: 
         detail = f" ({largest} alone is {format_size(loaded.sizes[largest])})" if largest else ""
         notes.append(
             f"No strategy's peak fits in the card's {format_size(request.vram)}{detail}: use a smaller dtype "
-            "(--dtype denoiser=fp8), a memory_budget (it streams block by block: see block residency), "
-            "pipe.enable_group_offload(...) or pipe.enable_sequential_cpu_offload()."
+            "(--dtype denoiser=fp8), a larger card, pipe.enable_group_offload(...) or "
+            "pipe.enable_sequential_cpu_offload()."
         )
         return None
     name, entry = min(
@@ -216,8 +244,10 @@ def _result(loaded: Model, request: Request, call, entries, recommended, notes) 
             "assumed": True,
             "h2d_bytes_per_s": request.h2d_rate,
             "d2h_bytes_per_s": request.d2h_rate,
+            "pinned_h2d_bytes_per_s": request.pinned_rate,
             "note": BANDWIDTH_NOTE,
         },
+        "step_seconds": request.step_seconds,
         "components": loaded.components,
         "layout": loaded.layout.to_dict(),
         "chain": list(loaded.layout.arrange().chain),
