@@ -10,15 +10,16 @@ real call order), then replays it with the sizes of the real models under budget
 - manager: the residency manager, `memory_budget=B, keep_on_device_between_generations=True`, zero-copy eviction;
 - optimum: the exact offline optimum (least host-to-device bytes with free eviction, dynamic programming over
   resident sets, with the whole trace known in advance);
-- blocks: block residency, modelled (not replayed): the blocks of every offloaded component (sizes in the
-  proportions of the shipped block counts, `models/data/blocks.json`), the most used kept on the device for good
-  within the budget, a ring of three of the largest streamed blocks included, the others streamed at each use
-  (`policies.plan_stream`: greedy, within one block of the best static choice).
+- blocks (modelled): the static block optimum of `diffusers-offload plan` (`models.block_compare.global_plan`),
+  computed from the knapsack, not replayed or measured: the blocks of every offloaded component (sizes in the
+  proportions of the shipped block counts, `models/data/blocks.json`), the most used per call kept on the device for
+  good within the budget, a ring of three of the largest streamed blocks and a component's rest held while it runs
+  included, the others streamed at each use (greedy, within one block of the best static choice).
 
 Bytes are those that cross the bus: host-to-device copies plus device-to-host copies (stock, exclude and keep copy
 every eviction back; the manager's zero-copy evictions are free, as they are for the optimum).
 
-Regenerate `docs/benchmarks.md` (about a minute on two CPU cores; no pipeline runs, no torch needed):
+Regenerate `docs/benchmarks.md` (seconds on two CPU cores; no pipeline runs, no torch needed):
 
     PYTHONPATH=. python benchmarks/residency.py --write docs/benchmarks.md
 """
@@ -32,9 +33,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from diffusers_offload_ext.constants import END
 from diffusers_offload_ext.models import load_model
-from diffusers_offload_ext.models.block_model import block_bytes, spec_entry
+from diffusers_offload_ext.models.block_compare import global_plan
+from diffusers_offload_ext.models.block_model import REST, block_bytes, spec_entry
 from diffusers_offload_ext.models.strategies import chain_strategies, residency_strategy
-from diffusers_offload_ext.policies import Item, optimal_bytes, plan_stream, replay_trace
+from diffusers_offload_ext.policies import Item, optimal_bytes, replay_trace
 
 GiB = 1 << 30
 BUDGETS_GIB = (8, 12, 16, 24, 48, 80)
@@ -174,9 +176,9 @@ def block_items(model: str, sizes: Dict[str, int], call: Sequence[str]) -> List[
 
 
 def block_optimum(items: List[Item], budget: int, calls: int) -> Optional[int]:
-    """Bytes of `calls` calls with the blocks kept for good: the kept ones once, the streamed ones at each use;
-    `None` when not even the ring fits."""
-    plan = plan_stream(items, budget)
+    """Modelled bytes of `calls` calls with the blocks kept for good (`global_plan`): the kept ones once, the
+    streamed ones at each use; `None` when not even the ring fits."""
+    plan = global_plan(items, budget, [item.key for item in items if item.key[1] == REST])
     return None if plan is None else plan.kept_bytes + calls * plan.streamed_bytes
 
 
@@ -236,15 +238,18 @@ def build_report(results, elapsed: float) -> str:
         "- **manager**: `memory_budget=B, keep_on_device_between_generations=True` (zero-copy eviction on);",
         "- **optimum**: least host-to-device bytes with the whole trace known in advance and free eviction (dynamic "
         "programming over resident sets). Like the manager it may run a component larger than the budget alone.",
-        "- **blocks**: block residency, *modelled*, not replayed: every offloaded component split into its blocks "
-        "(sizes in the proportions of `diffusers_offload_ext/models/data/blocks.json`), the blocks used most per "
-        "call kept on the device for good within the budget (a ring of three of the largest streamed blocks "
-        "included), the others streamed at each use; the kept blocks are copied once, in the first call. It never "
-        "exceeds the budget, unlike the optimum's components larger than it. A static choice (greedy, within one "
-        "block of the best static choice), not an optimum over schedules. The runtime streams a component that does "
-        "not fit the budget, or that runs once beside the resident ones (docs/residency.md), and keeps nothing else "
-        "block by block: this column is what block granularity could reach, not what the runtime does today. Ratio "
-        "to the optimum in parentheses; `-`: not even the ring fits.",
+        "- **blocks (modelled)**: the static block optimum, *modelled from the knapsack*, neither replayed nor "
+        "measured (`diffusers-offload plan` reports the same model): every offloaded component split into its "
+        "blocks (sizes in the proportions of `diffusers_offload_ext/models/data/blocks.json`), the blocks used most "
+        "per call kept on the device for good within the budget (a ring of three of the largest streamed blocks, "
+        "and a component's rest held while it runs when it is not kept, included), the others streamed at each "
+        "use; the kept blocks are copied once, in the first call. It never exceeds the budget, unlike the optimum's "
+        "components larger than it. A static choice (greedy, within one block of the best static choice), not an "
+        "optimum over schedules and not a bound: where components run one after another (Wan 2.2's experts) loading "
+        "whole components per call moves less. The runtime streams a component that does not fit the budget, or "
+        "that runs once beside the resident ones (docs/residency.md), and keeps nothing else block by block: this "
+        "column is what a static block choice could reach, not what the runtime does today. Ratio to the optimum in "
+        "parentheses; `-`: not even the ring fits.",
         "",
         "Stock is marked *over* where its own peak (one component plus what the chain has not evicted yet) exceeds "
         "the budget. Manager targets: first call within 1.10 of the optimum's best first call; from the second "
@@ -291,7 +296,7 @@ def build_report(results, elapsed: float) -> str:
         body += [
             f"### {title}: {workload}",
             "",
-            "| budget | stock | exclude | keep | manager | optimum | optimum s | blocks | first | later |",
+            "| budget | stock | exclude | keep | manager | optimum | optimum s | blocks (modelled) | first | later |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in rows:
