@@ -8,10 +8,12 @@ runs on a fresh pipeline object over the same component modules, reset in betwee
 the host, cache emptied, peak memory statistics reset). One untimed call without offload warms the GPU up first.
 
 Per configuration: `--calls` timed calls; the first is reported apart, the others as min-max seconds per image; peak
-allocated memory; bytes that crossed the bus per steady call (this package's configurations: the transfer ledger;
-the others: `doe.trace` over one more, untimed call); page-locked host bytes; the ratio of the fastest steady call to
-the fastest steady call without offload. Nothing is priced from an assumed bandwidth. A configuration that runs out
-of memory is reported as such. Diffusers' group offloading runs last (its hooks are not removed afterwards).
+allocated memory, beside the row's `memory_budget` where it has one (the `stream-*` rows: budgets below FLUX.1-dev's
+23.8 GB transformer, which then streams its blocks); bytes that crossed the bus per steady call (this package's
+configurations: the transfer ledger; the others: `doe.trace` over one more, untimed call); page-locked host bytes;
+the ratio of the fastest steady call to the fastest steady call without offload. Nothing is priced from an assumed
+bandwidth. A configuration that runs out of memory is reported as such. Diffusers' group offloading runs last (its
+hooks are not removed afterwards).
 
     python benchmarks/realscale.py --model flux-dev --write docs/benchmarks-gpu.md
     python benchmarks/realscale.py --model wan2.1-t2v-14b --frames 17 --json
@@ -47,7 +49,9 @@ DENOISERS = "<denoisers>"  # replaced by the spec's denoiser names
 BUDGET = "<budget>"  # replaced by --budget
 SEED = 0  # every call makes the same image
 LEGEND = (
-    "x no offload: the fastest steady call over the fastest steady call without offload, in this run. Moved: bytes "
+    "x no offload: the fastest steady call over the fastest steady call without offload, in this run. Peak "
+    "allocated: the most the CUDA allocator held during the row's calls (weights, ring buffers and activations), "
+    "beside the row's memory budget (weights only; the difference is what the reserve is for). Moved: bytes "
     "that crossed the bus (an eviction that only drops the device copy moves none). Moved in the first call, "
     "setup included, and page-locked host bytes: this package's configurations only (the transfer ledger and "
     "`doe.offload_status`); `-`: not known for the others."
@@ -100,6 +104,11 @@ def resolve(options: dict, spec: dict, args) -> dict:
     """`options` with the placeholders replaced by this run's denoisers and budget."""
     values = {DENOISERS: list(spec["denoisers"]), BUDGET: args.budget}
     return {k: values.get(v, v) if isinstance(v, str) else v for k, v in options.items()}
+
+
+def budget_of(options: dict):
+    """Bytes of the row's `memory_budget` (`None` without one): its peak allocated memory is read against it."""
+    return parse_size(options["memory_budget"]) if "memory_budget" in options else None
 
 
 def label(config: Config, options: dict) -> str:
@@ -220,7 +229,7 @@ def moved_bytes(pipe, config: Config, make_kwargs, calls: int) -> dict:
 def measure(base, config: Config, spec: dict, args, device: torch.device, make_kwargs) -> dict:
     """One row: the configuration prepared on a fresh pipeline, timed, its bytes counted, then reset."""
     options = resolve(config.options, spec, args)
-    row = {"key": config.key, "label": label(config, options), "status": "ok"}
+    row = {"key": config.key, "label": label(config, options), "status": "ok", "budget_bytes": budget_of(options)}
     reason = skip_reason(config, options, device, args)
     if reason is not None:
         return {**row, "status": "skipped", "reason": reason}
@@ -301,13 +310,15 @@ def run(args, argv) -> dict:
 
 def _table_row(r: dict) -> str:
     if r["status"] != "ok":
-        return f"| `{r['label']}` | {r['status']}: {r['reason']} | | | | | | | |"
+        return f"| `{r['label']}` | {r['status']}: {r['reason']} | | | | | | | | |"
     cells = [
         f"`{r['label']}`",
         f"{r['steady_s'][0]:.3f}-{r['steady_s'][1]:.3f}",
         f"{r['first_s']:.3f}",
         "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
-        *(_size(r[k]) for k in ("peak_allocated_bytes", "moved_steady_bytes", "moved_first_bytes", "pinned_bytes")),
+        _size(r["peak_allocated_bytes"]),
+        _size(r.get("budget_bytes")),
+        *(_size(r[k]) for k in ("moved_steady_bytes", "moved_first_bytes", "pinned_bytes")),
         r["bytes_source"],
     ]
     return "| " + " | ".join(cells) + " |"
@@ -329,8 +340,8 @@ def markdown(result: dict) -> str:
               f"- command: `{h['command']}`", f"- inputs: {h['inputs']}", f"- components: {sizes}",
               f"- {h['calls']} timed calls per configuration; {h['warm_up']}", ""]  # fmt: skip
     lines += ["| configuration | s / image, calls 2+ (min-max) | first call s | x no offload | peak allocated | "
-              "moved per steady call | moved in first call | page-locked host | bytes from |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+              "memory budget | moved per steady call | moved in first call | page-locked host | bytes from |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     lines += [_table_row(row) for row in result["rows"]] + ["", LEGEND]
     return "\n".join(lines) + "\n"
 

@@ -80,6 +80,26 @@ def test_tiny_run_is_one_json_document_with_every_configuration(realscale, tiny_
     assert "CPU" in skipped["group"] or "has no DiffusionPipeline.enable_group_offload" in skipped["group"]
 
 
+def test_rows_below_the_denoiser_are_the_26_gib_row_with_a_smaller_budget_read_against_peak_memory(tiny_run):
+    from diffusers_offload_ext.units import parse_size
+
+    rows = _rows(tiny_run)
+    budgets = {key: row["budget_bytes"] for key, row in rows.items()}
+    assert budgets["residency-budget"] == budgets["pinned-residency-budget-prefetch"] == parse_size("26GiB")
+    assert (budgets["stream-16GiB-prefetch"], budgets["stream-8GiB-prefetch"]) == (16 << 30, 8 << 30)
+    assert {key for key, nbytes in budgets.items() if nbytes is None} == set(rows) - {
+        "residency-budget",
+        "pinned-residency-budget-prefetch",
+        "stream-16GiB-prefetch",
+        "stream-8GiB-prefetch",
+    }
+    template = rows["pinned-residency-budget-prefetch"]["label"]
+    for budget in ("16GiB", "8GiB"):  # the same call as the 26 GiB row, only the budget differs
+        assert rows[f"stream-{budget}-prefetch"]["label"] == template.replace("'26GiB'", f"'{budget}'")
+    page = tiny_run[2]
+    assert "| peak allocated | memory budget |" in page and "| 26.00 GiB |" in page
+
+
 def test_tiny_run_bytes_follow_each_configuration(tiny_run):
     rows = _rows(tiny_run)
     moved = {key: row["moved_steady_bytes"] for key, row in rows.items() if row["status"] == "ok"}
