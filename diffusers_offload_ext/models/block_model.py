@@ -7,8 +7,9 @@ beside the resident components, `Facts.can_stream`); `policies.replay_trace` boo
 whole component. `replay_streaming` replays the same policy with the runtime's answer to `can_stream` (a plan of
 `policies.plan_stream` exists: the component has repeated blocks, its rest and a ring fit) and books each stream as
 the runtime moves it: the plan's kept blocks once when the stream starts, and the streamed blocks at every use of the
-component while it streams (one pass per forward); as in the runtime, streams stop at every call's end. Ring buffers are sized without the runtime's 256-byte alignment
-of each tensor (under 0.01 % at real sizes). Importing it needs no torch.
+component while it streams (one pass per forward); as in the runtime, streams stop at every call's end. Ring buffers
+are sized without the runtime's 256-byte alignment of each tensor (under 0.01 % at real sizes). Importing it needs no
+torch.
 """
 
 from __future__ import annotations
