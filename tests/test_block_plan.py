@@ -96,6 +96,10 @@ def test_a_denoiser_larger_than_the_budget_streams_as_plan_stream_says(vram, flu
 
 def test_every_expert_of_wan_2_2_streams_with_its_own_kept_blocks():
     """Wan 2.2 on a 16 GiB card: both 26.6 GiB experts stream, each with its own kept blocks once per generation."""
+    import diffusers
+
+    if not hasattr(diffusers, "WanTransformer3DModel"):  # the plan needs no Wan class; this check builds one on meta
+        pytest.skip("this diffusers has no WanTransformer3DModel to build the expected blocks from (before 0.33)")
     result = plan("wan2.2-t2v-a14b", vram="16GiB", generations=3)
     entry = result["block_residency"]
     sizes = {n: c["nbytes"] for n, c in result["components"].items()}
