@@ -401,6 +401,46 @@ def test_a_component_that_fits_alone_but_not_beside_the_resident_ones_streams_in
         assert ledger.copied_bytes(call_index=call) < replayed.per_call[call]
 
 
+def test_a_component_streamed_beside_the_others_that_runs_again_loads_whole_and_not_at_every_step():
+    """A one-step call, then a four-step one (a server's warm-up). On the first call the chain order predicts that the
+    transformer runs once, but nothing saved yet would pay for that guess being wrong: it loads whole. The second
+    call's prediction, learned from the first, is wrong: the transformer streams beside the text encoders at its
+    first step, and at its second it loads whole (the text encoders evicted) instead of streaming at every step; one
+    pass of its streamed blocks in all, images equal to no offload, the budget held."""
+    pipe = deep_encoders_flux()
+    kwargs = [dict(tiny.call_kwargs(NAME, pipe=pipe), num_inference_steps=steps) for steps in (1, 4)]
+    references = [
+        pipe(**kw).images.cpu() for kw in [dict(k, generator=torch.Generator().manual_seed(0)) for k in kwargs]
+    ]
+    sizes = {n: doe.module_nbytes(m) for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    blocks = block_sizes(pipe.transformer)
+    largest = max(v for k, v in blocks.items() if k != REST)
+    room = blocks[REST] + (DEPTH + 1) * largest + largest // 2  # the ring, with room for each tensor's alignment
+    budget = sizes["text_encoder"] + sizes["text_encoder_2"] + room
+    assert room < sizes["transformer"] <= budget  # it fits alone, not beside the text encoders
+    held = []
+
+    def callback(p, step, timestep, kw):
+        held.append(doe.offload_status(p).resident_bytes)
+        return kw
+
+    with SimulatedAccelerator():
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget)
+        for kw, reference in zip(kwargs, references):
+            kw = dict(kw, generator=torch.Generator().manual_seed(0))
+            image = pipe(**kw, callback_on_step_end=callback).images.cpu()
+            assert max_abs_diff(image, reference) == 0.0
+    assert max(held) <= budget
+    records = doe.transfer_ledger(pipe).records
+    assert not [r for r in records if r.block is not None and r.call_index == 0]  # nothing streams on a first call
+    streamed = [r for r in records if r.block is not None and r.direction == "onload" and r.call_index == 1]
+    assert {r.component for r in streamed} == {"transformer"}
+    passes = [r.block for r in streamed].count(next(k for k in blocks if k != REST))
+    assert passes == 1  # one stream at the first step, not one per step
+    whole = [r for r in records if r.component == "transformer" and r.block is None and r.direction == "onload"]
+    assert [r.call_index for r in whole] == [0, 1] and all(r.nbytes == sizes["transformer"] for r in whole)
+
+
 class FakeCuda:
     """Stands in for `torch.cuda`'s streams and events: records what the CUDA copier asks for, in order."""
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the residency manager is not in the upstream patch")
 
-from diffusers_offload_ext.constants import END, OFFLOAD, ONLOAD, STREAM
+from diffusers_offload_ext.constants import DROP, END, OFFLOAD, ONLOAD, STREAM
+from diffusers_offload_ext.models.block_model import REST, BlockPlans, replay_streaming
 from diffusers_offload_ext.policies import (
     ChainPolicy,
     Facts,
@@ -258,6 +259,52 @@ def test_streaming_beside_resident_components_keeps_the_budget_and_never_moves_m
     base = simulate(stock(names), trace, sizes)
     if budget is None or base.peak <= budget:
         assert ours.copied <= base.copied
+
+
+@st.composite
+def streaming_workloads(draw):
+    """Pipeline-shaped calls (`pipeline_calls`), repeated, some of them with more uses of a component somewhere (a
+    prediction learned from the others is wrong there); each component split into `k` equal blocks and a rest."""
+    names, chain, call, sizes, budget = draw(pipeline_calls())
+    sizes = {n: 32 * nbytes for n, nbytes in sizes.items()}
+    budget = None if budget is None else 32 * budget + draw(st.integers(0, 31))
+    calls = []
+    for _ in range(draw(st.integers(2, 4))):
+        this = list(call)
+        if draw(st.booleans()):  # a call that runs something more often (more steps than the last call)
+            at, name = draw(st.integers(0, len(this))), draw(st.sampled_from(names))
+            this[at:at] = [name] * draw(st.integers(1, 6))
+        calls.append(this)
+    blocks = {}
+    for name in names:
+        k = draw(st.integers(1, 16))
+        each = sizes[name] // (k + 1)
+        blocks[name] = {REST: sizes[name] - k * each, **{f"b{i}": each for i in range(k)}}
+    return names, chain, [event for c in calls for event in c + [END]], sizes, budget, blocks
+
+
+@settings(max_examples=400, deadline=None)
+@given(workload=streaming_workloads(), keep_between=st.booleans(), zero_copy=st.booleans())
+def test_streaming_booked_block_by_block_never_moves_more_than_stock(workload, keep_between, zero_copy):
+    """The stream plans booked as the runtime moves them (a stream's kept blocks once, its streamed blocks at every
+    use, `models.block_model.replay_streaming`): where stock fits the budget, no more bytes than stock at any call's
+    end, even on a first call (the chain order predicts a denoiser runs once) and where the prediction is wrong (a
+    component streamed beside the others because it was predicted to run no more, that runs again, is loaded whole
+    rather than streamed at every use); and within the budget."""
+    names, chain, trace, sizes, budget, blocks = workload
+    policy = manager(names, sizes, budget, keep_between, zero_copy, chain=chain)
+    moves, peak = replay_streaming(policy, trace, sizes, BlockPlans.of(blocks), zero_copy=zero_copy)
+    base = simulate(stock(names, chain=chain), trace, sizes)
+    if budget is None or base.peak > budget:
+        return
+    ours = [0] * len(base.per_call)
+    for move in moves:
+        if move.kind != DROP and move.call is not None:
+            ours[move.call] += move.nbytes
+    note(f"stock {base.per_call}, ours {ours}, moves {[tuple(m) for m in moves]}")
+    assert peak <= budget
+    cumulative = zip(itertools.accumulate(ours), itertools.accumulate(base.per_call))
+    assert all(mine <= theirs for mine, theirs in cumulative)
 
 
 # Traces on which a wrong prediction made the manager, without its credit against stock, move more bytes than stock

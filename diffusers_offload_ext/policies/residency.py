@@ -3,7 +3,8 @@ one call to the next if asked, and evict what the predicted future needs least.
 
 A component that does not fit even alone streams its blocks within the limit (`STREAM`, carried out by the runtime,
 see `blocks.py`); one that fits alone but not beside the resident ones streams in the room they leave instead of
-evicting them, when the prediction runs it only once more in the call and the runtime says it can (`Facts.can_stream`).
+evicting them, when the prediction runs it only once more in the call, the runtime says it can (`Facts.can_stream`)
+and the bytes saved against stock cover a wrong prediction.
 
 Components move to the device only when they run (loading on demand never costs more bytes than loading ahead).
 When one would not fit, the resident components that are not running are split into those to keep and those to
@@ -100,6 +101,8 @@ class ResidencyPolicy(Policy):
         self.shadow = StockShadow(self.chain, self.hooked, self.zero_copy)
         self._version = self.calls.version
         self._uses_since_arm = 0
+        #: Components streaming beside the resident ones in this call, predicted to run no more in it.
+        self.beside: Set[str] = set()
         self._start_plan()
         for name in self.calls.current:
             self._advance(name)
@@ -118,6 +121,7 @@ class ResidencyPolicy(Policy):
 
     # -- the protocol ---------------------------------------------------------------------------------------------
     def on_call_start(self, calls: CallTracker) -> Decision:
+        self.beside.clear()  # streams stop at every call's end
         if calls.version != self._version or self._uses_since_arm:
             self._version = calls.version
             self._uses_since_arm = 0
@@ -126,8 +130,14 @@ class ResidencyPolicy(Policy):
 
     def on_use(self, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
         self._advance(name)
+        if name in self.beside and name in resident:  # the prediction was wrong
+            return load_again(self, name, resident, facts)
         if name in resident or name not in self.hooked:
             return NOTHING
+        return self._load(name, resident, facts)
+
+    def _load(self, name: str, resident: AbstractSet[str], facts: Facts, beside: bool = True) -> Decision:
+        """`name` runs from the host: load it (or stream it, see `stream_beside`), evicting what it must."""
         others = [n for n in self.offloaded if n in resident and n != name]
         self._measure(facts, [name] + others)
         need = self.sizes[name]
@@ -139,21 +149,24 @@ class ResidencyPolicy(Policy):
         if need > limit:
             overflow, keep = Overflow(name, need, limit), set()
         else:
-            keep = self._choose(name, others, limit)
-            beside = stream_beside(self, name, others, keep, limit, facts)
-            if beside is not None:
-                return beside
+            keep = choose(self, name, others, limit)
+            streams = stream_beside(self, name, others, keep, limit, facts) if beside else None
+            if streams is not None:
+                self.beside.add(name)
+                return streams
         evicted = [n for n in others if n not in keep]
         self.shadow.count(evicted=sum(self.sizes[n] for n in evicted))
         return Decision.of([(OFFLOAD, n) for n in evicted] + [(STREAM if overflow else ONLOAD, name)], overflow)
 
     def on_enable(self, resident: AbstractSet[str], facts: Facts) -> Decision:
+        self.beside.clear()
         self._uses_since_arm = 0
         self._version = self.calls.version
         self._start_plan()
         return self._arm(resident)
 
     def on_call_end(self, resident: AbstractSet[str], facts: Facts) -> Decision:
+        self.beside.clear()
         self._uses_since_arm = 0
         self._version = self.calls.version
         self.planner.end_call(self.model, self._decisions_possible())
@@ -179,27 +192,11 @@ class ResidencyPolicy(Policy):
         else:
             keep = set(others)
             if self.avail is not None and sum(self.sizes[n] for n in others) > self.avail:
-                keep = self._choose(None, others, self.avail)
+                keep = choose(self, None, others, self.avail)
             moves = [(OFFLOAD, n) for n in others if n not in keep]
         self.shadow.count(evicted=sum(self.sizes[n] for _, n in moves))
         moves += [(ONLOAD, n) for n in self.order if n in self.stays and n not in resident]
         return Decision.of(moves)
-
-    def _choose(self, name: Optional[str], others: List[str], limit: int) -> Set[str]:
-        """Which of `others` to keep with `name` (`None`: at a call boundary) within `limit` bytes."""
-        room = limit - (self.sizes[name] if name is not None else 0)
-        if not self.exact:
-            return choose_greedy(self, others, room)
-        learned = bool(self.calls.history)
-        tables = []
-        if name is not None and not learned:
-            tables = self.planner.first_call_guesses(self.calls.current or [name], self.model, self.chain)
-        if len(tables) < 2:
-            tables = [self.planner.values(self.calls.current, self.model, self.chain, learned)]
-        keep = exact_choice(self.universe, name, others, room, tables, self.shadow)
-        if len(tables) > 1:
-            self.planner.plan = None  # the next events tell which guess was right; plan again then
-        return keep
 
     # -- bookkeeping ------------------------------------------------------------------------------------------------
     def _advance(self, name: str) -> None:
@@ -243,8 +240,16 @@ class ResidencyPolicy(Policy):
 def stream_beside(policy: ResidencyPolicy, name: str, others: List[str], keep: Set[str], limit: int, facts: Facts):
     """Stream `name` in the room the resident components leave instead of evicting some of them, when the
     prediction runs it no more in this call (a text encoder): its bytes cross the bus once either way, and what
-    would have been evicted does not have to come back. `None` when that does not apply."""
+    would have been evicted does not have to come back. `None` when that does not apply, and while what has been
+    saved against stock does not cover a wrong prediction (on a first call the chain order predicts that a denoiser
+    runs once): `name` is loaded whole at its next use in the call (`ResidencyPolicy.on_use`), and without
+    zero-copy its stream's kept blocks are copied back and the resident ones beyond stock's owe their copies."""
     if facts.can_stream is None or all(n in keep for n in others):
+        return None
+    wrong = policy.sizes[name]
+    if not policy.zero_copy:  # and the copies owed for what is kept beyond stock's (stock paid for evicting those)
+        wrong += policy.sizes[name] + sum(policy.sizes[n] for n in others if n not in policy.shadow.holds)
+    if policy.shadow.fits and policy.shadow.credit < wrong:
         return None
     upcoming = policy.planner.upcoming(policy.calls.current, policy.model, policy.chain, bool(policy.calls.history))
     rest = upcoming[: upcoming.index(END)] if END in upcoming else upcoming
@@ -252,6 +257,32 @@ def stream_beside(policy: ResidencyPolicy, name: str, others: List[str], keep: S
     if name in rest or room <= 0 or not facts.can_stream(name, room):
         return None
     return Decision(((STREAM, name),), Overflow(name, policy.sizes[name], room))
+
+
+def choose(policy: ResidencyPolicy, name: Optional[str], others: List[str], limit: int) -> Set[str]:
+    """Which of `others` to keep with `name` (`None`: at a call boundary) within `limit` bytes."""
+    room = limit - (policy.sizes[name] if name is not None else 0)
+    if not policy.exact:
+        return choose_greedy(policy, others, room)
+    learned = bool(policy.calls.history)
+    tables = []
+    if name is not None and not learned:
+        tables = policy.planner.first_call_guesses(policy.calls.current or [name], policy.model, policy.chain)
+    if len(tables) < 2:
+        tables = [policy.planner.values(policy.calls.current, policy.model, policy.chain, learned)]
+    keep = exact_choice(policy.universe, name, others, room, tables, policy.shadow)
+    if len(tables) > 1:
+        policy.planner.plan = None  # the next events tell which guess was right; plan again then
+    return keep
+
+
+def load_again(policy: ResidencyPolicy, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
+    """`name` streamed beside the resident components, predicted to run no more in the call, runs again: its stream
+    stops and it is loaded whole (evicting as usual), rather than streamed at every further use."""
+    policy.beside.discard(name)
+    policy.shadow.count(evicted=policy.sizes[name])
+    load = policy._load(name, set(resident) - {name}, facts, beside=False)
+    return Decision.of([(OFFLOAD, name)] + list(load.moves), load.overflow)
 
 
 def choose_greedy(policy: ResidencyPolicy, others: List[str], room: int) -> Set[str]:
