@@ -242,6 +242,34 @@ def test_unfingerprintable_tensors_are_copied_back(installed, sim, monkeypatch):
     assert doe.transfer_ledger(pipe).records[-1].kind == "copy"
 
 
+@pytest.mark.parametrize("removal", ["set_to_none", "deleted"])
+def test_a_tensor_removed_without_a_registration_hook_is_counted_at_the_next_onload(installed, sim, removal):
+    """Setting a parameter to `None` or deleting it calls none of torch's registration hooks: the component's size is
+    read again when it is loaded, so the budget and the status count what it holds now (here: the VAE without its
+    bias fits beside the text encoder; with it, it did not)."""
+    pipe = build()
+    bias = doe.module_nbytes(pipe.vae.linear) - pipe.vae.linear.weight.numel() * pipe.vae.linear.weight.element_size()
+    smaller = doe.module_nbytes(pipe.vae) - bias
+    budget = FIXED + SIZES["text_encoder"] + smaller
+    assert SIZES["vae"] == smaller + bias and bias > 0
+    seen = []
+
+    def probe(index, name):
+        seen.append((name, resident(pipe), resident_bytes(pipe)))
+
+    pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget)
+    pipe(["text_encoder", "vae"], probe=probe)
+    assert "text_encoder" not in seen[-1][1]  # it did not fit beside the VAE: evicted
+    if removal == "set_to_none":
+        pipe.vae.linear.bias = None
+    else:
+        del pipe.vae.linear.bias
+        pipe.vae.linear.bias = None  # a plain attribute now, for `Linear.forward`
+    pipe(["text_encoder", "vae"], probe=probe)
+    assert seen[-1] == ("vae", {"safety_checker", "text_encoder", "vae"}, budget)
+    assert status(pipe).components["vae"].nbytes == smaller
+
+
 def test_a_component_excluded_after_it_was_resident_holds_no_host_copy(installed, sim):
     pipe = build()
     host_storage = StorageWeakRef(pipe.transformer.linear.weight.untyped_storage())

@@ -102,6 +102,10 @@ class Session:
                 self.recheck(name)
         elif entry.dirty or (self.readable and self.transfer.is_resident(entry) is not (name in self.resident)):
             self.recheck(name)
+        if name not in self.resident:
+            # About to be loaded, every tensor walked: its size is read again first (a tensor set to `None` or
+            # deleted leaves no trace the registration hooks see).
+            self.transfer.book.refresh(self.modules[name], entry)
         calls = self.calls
         if calls.depth:
             calls.current.append(name)
