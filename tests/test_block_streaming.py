@@ -4,6 +4,8 @@ pipeline's transformer is rebuilt deeper (3 double and 4 single blocks) so that 
 blocks to work on. What a real CUDA copy stream does is not tested here (no GPU in CI); the fake copy stream's
 buffers hold NaN until waited on, so a block run before its copy completed gives a wrong image."""
 
+import contextlib
+
 import diffusers
 import pytest
 import torch
@@ -347,6 +349,30 @@ def test_fewer_bytes_than_diffusers_group_offloading_on_the_same_calls(reference
             moved[mode] = sim.h2d_bytes
         assert max_abs_diff(image, reference) == 0.0
     assert moved["blocks"] < moved["group"]
+
+
+def test_on_the_plain_cpu_a_component_streams_as_on_an_accelerator():
+    """On `device="cpu"` the tensors cannot say where they are (host and device are one memory): the record is the
+    truth, and streaming goes on at every forward instead of being taken for a move made outside offload (which
+    stopped it after its first forward and copied the whole transformer back at the call's end). The same calls
+    leave the same ledger as on the simulated accelerator, and the same images."""
+    ledgers, images = {}, {}
+    for where in ("cpu", "simulated"):
+        pipe = deep_flux()
+        budget = int(transformer_bytes(pipe) * 0.8)
+        with SimulatedAccelerator() if where == "simulated" else contextlib.nullcontext():
+            images[where] = run(pipe, budget, calls=2)
+            doe.release(pipe)
+        ledgers[where] = [
+            (r.component, r.direction, r.nbytes, r.kind, r.block, r.call_index, r.step)
+            for r in doe.transfer_ledger(pipe).records
+        ]
+    assert ledgers["cpu"] == ledgers["simulated"]
+    passes = {(r[5], r[6]) for r in ledgers["cpu"] if r[0] == "transformer" and r[1] == "onload" and r[4] != REST}
+    assert passes == {(0, 0), (0, 1), (1, 0), (1, 1)}  # streamed blocks at every step of both calls
+    assert not [r for r in ledgers["cpu"] if r[0] == "transformer" and r[4] is None]  # never moved whole
+    for a, b in zip(images["cpu"], images["simulated"]):
+        assert max_abs_diff(a, b) == 0.0
 
 
 def deep_encoders_flux():

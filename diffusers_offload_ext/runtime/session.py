@@ -98,7 +98,7 @@ class Session:
     def use(self, name: str) -> None:
         entry = self.entries[name]
         if name in self.streams.active:
-            if entry.dirty or not self.streams.active[name].intact():
+            if entry.dirty or (self.readable and not self.streams.active[name].intact()):
                 self.recheck(name)
         elif entry.dirty or (self.readable and self.transfer.is_resident(entry) is not (name in self.resident)):
             self.recheck(name)
@@ -181,7 +181,7 @@ class Session:
         if entry.dirty:
             self.transfer.book.refresh(module, entry)
         if name in self.streams.active:
-            if self.streams.active[name].intact():
+            if not self.readable or self.streams.active[name].intact():  # where tensors cannot tell, the record
                 return
             logger.debug(f"`{name}` was moved outside offload while it streamed; streaming stops where it is.")
             self.streams.abandon(name)
