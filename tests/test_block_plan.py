@@ -21,7 +21,7 @@ from diffusers_offload_ext.models import load_model, plan  # noqa: E402
 from diffusers_offload_ext.models.block_compare import global_plan  # noqa: E402
 from diffusers_offload_ext.models.specs import load_spec  # noqa: E402
 from diffusers_offload_ext.models.strategies import all_strategies  # noqa: E402
-from diffusers_offload_ext.policies import Item, plan_stream  # noqa: E402
+from diffusers_offload_ext.policies import Item, least_room, plan_stream  # noqa: E402
 
 pytestmark = pytest.mark.plugin_only
 GiB = 1 << 30
@@ -214,12 +214,16 @@ def test_the_plan_replay_predicts_the_runtime_ledger_of_a_streaming_transformer(
     assert moved.passes[0]["transformer"][0] == 2  # one pass per forward
 
 
-def test_nothing_streams_when_everything_fits_and_a_budget_too_small_says_why():
+def test_nothing_streams_when_everything_fits_and_a_budget_too_small_says_why(flux_blocks):
+    from diffusers_offload_ext.units import format_size
+
     fits = plan("flux-dev", vram="80GiB")["block_residency"]
     assert fits["needed"] is False and "fits the budget together" in fits["reason"]
     small = plan("flux-dev", vram="3GiB", reserve="2.5GiB")
     entry = small["block_residency"]
     stream = entry["streaming"]["transformer"]
+    least = least_room([Item(n, b, 1) for n, b in flux_blocks["transformer"].items()], forced=[REST])
+    assert entry["room_bytes"] < least and f"needs at least {format_size(least)}" in stream["reason"]
     assert stream["available"] is False and "do not fit" in stream["reason"] and "--vram" in stream["reason"]
     assert entry["rows"]["budget"]["fits"] is False  # the runtime loads it alone, over the budget
     assert small["strategies"]["residency"]["recommendable"] is False

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: block residency")
 
 from diffusers_offload_ext.blocks import REST, block_sizes, find_blocks  # noqa: E402
-from diffusers_offload_ext.policies import Item, keep_most_used, plan_stream, streamed_bytes  # noqa: E402
+from diffusers_offload_ext.policies import Item, keep_most_used, least_room, plan_stream, streamed_bytes  # noqa: E402
 
 pytestmark = pytest.mark.plugin_only
 
@@ -140,6 +140,27 @@ def test_stream_plans_fit_the_room_ring_included_and_are_within_one_block_of_the
     assert plan.slots == min(depth + 1, len(plan.streamed))
     assert plan.kept_bytes + plan.slot_bytes * plan.slots == plan.device_bytes <= room
     assert best <= plan.streamed_bytes <= best + max((i.nbytes * i.uses for i in items), default=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(items=items_strategy, depth=st.integers(1, 3), force=st.booleans())
+def test_the_least_room_is_the_smallest_footprint_of_any_plan_and_plan_stream_finds_one_there(items, depth, force):
+    """`least_room` (what the runtime's warning and the planner report as the room a stream needs) against every
+    kept subset's footprint: kept bytes and a ring of the largest streamed block."""
+    if not items:
+        return
+    forced = [items[0].key] if force else []
+    footprints = []
+    for r in range(len(items) + 1):
+        for subset in itertools.combinations(items, r):
+            if set(forced) <= {i.key for i in subset}:
+                streamed = [i for i in items if i not in subset]
+                ring = max((i.nbytes for i in streamed), default=0) * min(depth + 1, len(streamed))
+                footprints.append(sum(i.nbytes for i in subset) + ring)
+    least = least_room(items, depth=depth, forced=forced)
+    assert least == min(footprints)
+    assert plan_stream(items, least, depth=depth, forced=forced) is not None
+    assert least == 0 or plan_stream(items, least - 1, depth=depth, forced=forced) is None
 
 
 @pytest.mark.parametrize(

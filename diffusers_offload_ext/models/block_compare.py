@@ -137,11 +137,12 @@ def streaming_entry(plans: BlockPlans, name: str, size: int, room: int, forwards
     plan = plans.plan(name, room)
     entry = {"component_bytes": size, "forwards_per_generation": forwards, "available": plan is not None}
     if plan is None:
-        rest = plans.blocks(name).get(REST, 0)
+        least = plans.least_room(name)
+        needs = "it has no repeated blocks" if least is None else f"it needs at least {format_size(least)} to stream"
         entry["reason"] = (
-            f"{name} cannot stream in the {format_size(max(room, 0))} the budget leaves it: its rest "
-            f"({format_size(rest)}) and a ring of 3 of its blocks do not fit (the runtime loads it alone, over the "
-            "budget); raise --vram or lower --reserve"
+            f"{name} cannot stream in the {format_size(max(room, 0))} the budget leaves it: {needs} (its rest, any "
+            "block larger than the ring's buffers, and a ring of 3 buffers), so these do not fit (the runtime loads "
+            "it alone, over the budget); raise --vram or lower --reserve"
         )
         return entry
     return dict(

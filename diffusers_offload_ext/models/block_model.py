@@ -20,7 +20,7 @@ import os
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..constants import END, OFFLOAD, ONLOAD, STREAM
-from ..policies import DEPTH, Decision, Item, ReplayedMove, StreamPlan, plan_stream, replay_trace
+from ..policies import DEPTH, Decision, Item, ReplayedMove, StreamPlan, least_room, plan_stream, replay_trace
 from .recorded import DATA_DIR, config_key
 from .sizes import ITEMSIZE
 from .specs import load_spec, override_component
@@ -110,8 +110,8 @@ class BlockPlans:
         return self._blocks[name]
 
     def plan(self, name: str, room: int) -> Optional[StreamPlan]:
-        """How component `name` streams within `room` bytes; `None` when it cannot (no repeated blocks, or its rest
-        and the smallest ring do not fit)."""
+        """How component `name` streams within `room` bytes; `None` when it cannot (no repeated blocks, or less room
+        than `least_room`)."""
         key = (name, int(room))
         if key not in self._plans:
             blocks = self.blocks(name)
@@ -122,6 +122,14 @@ class BlockPlans:
                 plan = plan_stream(items, max(int(room), 0), depth=DEPTH, forced=forced)
             self._plans[key] = plan
         return self._plans[key]
+
+    def least_room(self, name: str) -> Optional[int]:
+        """The fewest device bytes component `name` needs to stream (`None`: it has no repeated blocks)."""
+        blocks = self.blocks(name)
+        if all(block == REST for block in blocks):
+            return None
+        forced = [REST] if REST in blocks else []
+        return least_room([Item(block, nbytes, 1) for block, nbytes in blocks.items()], depth=DEPTH, forced=forced)
 
     def can_stream(self, name: str, room: int) -> bool:
         """`Facts.can_stream`, as the runtime answers it."""

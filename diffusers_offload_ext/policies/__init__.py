@@ -1,6 +1,6 @@
 """Policies: which component moves when. Pure Python: no torch device, no hook, no runtime."""
 
-from .blocks import DEPTH, Item, StreamPlan, keep_most_used, plan_stream, streamed_bytes
+from .blocks import DEPTH, Item, StreamPlan, keep_most_used, least_room, plan_stream, streamed_bytes
 from .base import NOTHING, Decision, Facts, Move, Overflow, Policy, apply
 from .chain import ChainPolicy
 from .optimum import Optimum, optimal_bytes
@@ -29,6 +29,7 @@ __all__ = [
     "apply",
     "keep_most_used",
     "optimal_bytes",
+    "least_room",
     "plan_stream",
     "predict_rest",
     "replay",

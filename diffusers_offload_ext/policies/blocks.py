@@ -106,16 +106,8 @@ def plan_stream(
         forced (`Iterable`): Keys that must stay (the component's rest, needed whenever it runs).
     """
     items = _checked(items)
-    if len(items) > MAX_BLOCKS:
-        raise ValueError(f"`items` has {len(items)} blocks; at most {MAX_BLOCKS} can be planned.")
-    if depth < 1:
-        raise ValueError(f"`depth` must be at least 1, got {depth!r}.")
-    forced = set(forced)
     best = None
-    for slot in sorted({0} | {item.nbytes for item in items if item.key not in forced}):
-        must = [item for item in items if item.key in forced or item.nbytes > slot]
-        free = [item for item in items if item.key not in forced and item.nbytes <= slot]
-        ring = slot * min(depth + 1, len(free))
+    for must, free, ring in _rings(items, depth, forced):
         left = room - ring - sum(item.nbytes for item in must)
         if left < 0:
             continue
@@ -124,6 +116,25 @@ def plan_stream(
         if best is None or (plan.streamed_bytes, plan.device_bytes) < (best.streamed_bytes, best.device_bytes):
             best = plan
     return best
+
+
+def least_room(items: Sequence[Item], *, depth: int = DEPTH, forced: Iterable = ()) -> int:
+    """The fewest device bytes any stream plan of `items` needs (`plan_stream` finds one in that room): the `forced`
+    blocks, those larger than the ring's buffers, and the ring."""
+    return min(ring + sum(item.nbytes for item in must) for must, free, ring in _rings(_checked(items), depth, forced))
+
+
+def _rings(items: Tuple[Item, ...], depth: int, forced: Iterable):
+    """`(must keep, may stream, ring bytes)` for each ring buffer size worth trying (0: nothing streams)."""
+    if len(items) > MAX_BLOCKS:
+        raise ValueError(f"`items` has {len(items)} blocks; at most {MAX_BLOCKS} can be planned.")
+    if depth < 1:
+        raise ValueError(f"`depth` must be at least 1, got {depth!r}.")
+    forced = set(forced)
+    for slot in sorted({0} | {item.nbytes for item in items if item.key not in forced}):
+        must = [item for item in items if item.key in forced or item.nbytes > slot]
+        free = [item for item in items if item.key not in forced and item.nbytes <= slot]
+        yield must, free, slot * min(depth + 1, len(free))
 
 
 def _plan(items: Tuple[Item, ...], kept: FrozenSet, depth: int) -> StreamPlan:

@@ -11,7 +11,7 @@ from diffusers.utils import logging
 from ..blocks import REST, find_blocks
 from ..constants import ONLOAD
 from ..observe.ledger import TransferRecord
-from ..policies import DEPTH, Item, StreamPlan, plan_stream
+from ..policies import DEPTH, Item, StreamPlan, least_room, plan_stream
 from ..transfer.ring import aligned_nbytes, streamable
 from ..transfer.streaming import BlockStreamer
 from ..units import format_size
@@ -56,18 +56,18 @@ def stream_plan(module, room: int, uses: Optional[Dict[str, int]] = None) -> Tup
         Item(b.name, b.nbytes if b.name == REST else aligned_nbytes(_tensors(b)), uses.get(b.name, 0) if known else 1)
         for b in blocks
     ]
-    plan = plan_stream(items, room, depth=DEPTH, forced=[REST] if blocks[0].name == REST else [])
+    forced = [REST] if blocks[0].name == REST else []
+    plan = plan_stream(items, room, depth=DEPTH, forced=forced)
     if plan is None:
-        rest = blocks[0].nbytes if blocks[0].name == REST else 0
-        smallest = min(i.nbytes for i in items if i.key != REST)
-        return (
-            None,
-            blocks,
-            (
-                f"its rest ({format_size(rest)}) and a ring of {DEPTH + 1} buffers of at least {format_size(smallest)} "
-                f"do not fit in {format_size(room)}"
-            ),
+        least = least_room(items, depth=DEPTH, forced=forced)
+        need, have = format_size(least), format_size(room)
+        if need == have:
+            need, have = f"{least:,} bytes", f"{room:,} bytes"
+        why = (
+            f"to stream it needs at least {need} on the device, for its rest, any block larger than the ring's "
+            f"buffers and a ring of {DEPTH + 1} buffers, and it has {have}"
         )
+        return None, blocks, why
     return plan, blocks, ""
 
 
