@@ -97,12 +97,13 @@ class Session:
     # -- the hot path: a hooked component is about to run ---------------------------------------------------------
     def use(self, name: str) -> None:
         entry = self.entries[name]
+        dirty = entry.dirty  # a recheck reads its size again
         if name in self.streams.active:
-            if entry.dirty or (self.readable and not self.streams.active[name].intact()):
+            if dirty or (self.readable and not self.streams.active[name].intact()):
                 self.recheck(name)
-        elif entry.dirty or (self.readable and self.transfer.is_resident(entry) is not (name in self.resident)):
+        elif dirty or (self.readable and self.transfer.is_resident(entry) is not (name in self.resident)):
             self.recheck(name)
-        if name not in self.resident:
+        if name not in self.resident and not dirty:
             # About to be loaded, every tensor walked: its size is read again first (a tensor set to `None` or
             # deleted leaves no trace the registration hooks see).
             self.transfer.book.refresh(self.modules[name], entry)
