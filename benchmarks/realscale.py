@@ -253,16 +253,24 @@ def measure(base, config: Config, spec: dict, args, device: torch.device, make_k
     return row
 
 
-def measure_all(base, spec: dict, args, device: torch.device, make_kwargs) -> list:
-    """A row per configuration, in order; after a reset that failed the others are not run."""
+def selected(args) -> tuple:
+    """The configurations this run measures: `--only`'s, in the table's order, or all."""
+    return tuple(c for c in CONFIGS if args.only is None or c.key in args.only)
+
+
+def measure_all(base, spec: dict, args, device: torch.device, make_kwargs, on_row=None) -> list:
+    """A row per selected configuration, in order, `on_row(rows)` called after each; after a reset that failed the
+    others are not run."""
     rows = []
-    for config in CONFIGS:
+    for config in selected(args):
         if rows and "reset_failed" in rows[-1]:
             why = f"not run: resetting {rows[-1]['key']!r} failed ({rows[-1]['reset_failed']})"
             rows.append({"key": config.key, "label": label(config, resolve(config.options, spec, args)),
                          "status": "error", "reason": why})  # fmt: skip
         else:
             rows.append(measure(base, config, spec, args, device, make_kwargs))
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -287,8 +295,9 @@ def add_ratios(rows: list) -> None:
             row["ratio"] = row["steady_s"][0] / base["steady_s"][0] if base is not None else None
 
 
-def run(args, argv) -> dict:
-    """Every configuration on `args.model`: `{"header": ..., "rows": [...]}`."""
+def run(args, argv, on_row=None) -> dict:
+    """Every selected configuration on `args.model`: `{"header": ..., "rows": [...]}`; `on_row(result)` is called
+    with the result so far after each row (the header complete, `rows` those measured)."""
     device = torch.device("cuda", torch.cuda.current_device()) if args.scale == "real" else torch.device("cpu")
     spec = load_spec(args.model)
     with stock_diffusers():
@@ -299,12 +308,18 @@ def run(args, argv) -> dict:
             return {**kwargs, "generator": torch.Generator("cpu").manual_seed(SEED)}
 
         warm = warm_up(base, make_kwargs, device)
-        rows = measure_all(base, spec, args, device, make_kwargs)
+        header = build.machine(device, argv)
+        header.update(model=args.model, scale=args.scale, calls=args.calls, budget=args.budget, warm_up=warm)
+        header.update(inputs=build.describe_inputs(spec, kwargs, args), components=build.component_sizes(base))
+        header["notes"] = [MEASURED_NOTE] + ([TINY_NOTE] if args.scale == "tiny" else [])
+
+        def partial(rows):
+            add_ratios(rows)
+            if on_row is not None:
+                on_row({"header": header, "rows": rows})
+
+        rows = measure_all(base, spec, args, device, make_kwargs, partial)
     add_ratios(rows)
-    header = build.machine(device, argv)
-    header.update(model=args.model, scale=args.scale, calls=args.calls, budget=args.budget, warm_up=warm)
-    header.update(inputs=build.describe_inputs(spec, kwargs, args), components=build.component_sizes(base))
-    header["notes"] = [MEASURED_NOTE] + ([TINY_NOTE] if args.scale == "tiny" else [])
     return {"header": header, "rows": rows}
 
 
@@ -365,7 +380,17 @@ def parse(argv) -> argparse.Namespace:
     parser.add_argument("--sequential", action="store_true", help="also run enable_sequential_cpu_offload (slow)")
     parser.add_argument("--write", metavar="PATH", help="write the Markdown table to PATH")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    parser.add_argument("--json-out", metavar="PATH", help="write the JSON document to PATH, again after each row")
+    keys = [c.key for c in CONFIGS]
+    parser.add_argument("--only", metavar="KEYS", help=f"comma-separated configurations to run, of: {', '.join(keys)}")
     args = parser.parse_args(argv)
+    if args.only is not None:
+        args.only = [k.strip() for k in args.only.split(",") if k.strip()]
+        unknown = [k for k in args.only if k not in keys]
+        if unknown or not args.only:
+            parser.error(
+                f"argument --only: unknown configuration(s) {unknown or args.only!r}; valid: {', '.join(keys)}"
+            )
     args.calls = (4 if args.scale == "real" else 2) if args.calls is None else args.calls
     _bounded(parser, "--calls", args.calls, 2, 20, " (the first call is reported apart from the steady state)")
     _bounded(parser, "--steps", args.steps, 1, 200)
@@ -393,10 +418,17 @@ def main(argv=None) -> int:
     if args.scale == "real" and not torch.cuda.is_available():
         print("No CUDA GPU here: nothing measured (`--scale tiny` runs the same code on the CPU, tiny weights).")
         return 0
-    result = run(args, argv)
-    if args.write:
-        with open(args.write, "w", encoding="utf-8") as f:
-            f.write(markdown(result))
+
+    def write(result):  # after each row, so that a run stopped midway keeps the rows it measured
+        if args.write:
+            with open(args.write, "w", encoding="utf-8") as f:
+                f.write(markdown(result))
+        if args.json_out:
+            with open(args.json_out, "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=1)
+
+    result = run(args, argv, write)
+    write(result)
     if args.json:
         print(json.dumps(result, indent=1))
     elif args.write:
