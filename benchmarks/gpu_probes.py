@@ -32,9 +32,9 @@ GIB = 1 << 30
 OUT = None
 
 
-def emit(section: str, name: str, **values) -> None:
-    """One finding, printed and appended to the results file at once."""
-    record = {"section": section, "name": name, **values}
+def emit(section: str, name: str, value=None, **values) -> None:
+    """One finding (`value`, when it has one, and named values), printed and appended to the results file at once."""
+    record = {"section": section, "name": name, **({} if value is None else {"value": value}), **values}
     line = json.dumps(record, default=str)
     print(line, flush=True)
     if OUT:
