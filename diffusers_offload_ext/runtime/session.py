@@ -15,6 +15,7 @@ from ..constants import OFFLOAD, ONLOAD, PREFETCH, STREAM
 from ..observe.ledger import TransferLedger, TransferRecord
 from ..policies import NOTHING, Decision, Facts, Policy
 from ..transfer import MIXED, ON_DEVICE, ON_HOST, Transfer, pinned
+from ..transfer.streaming import intact
 from . import sharing
 from .block_streams import BlockStreams
 from .options import OffloadOptions
@@ -99,7 +100,7 @@ class Session:
         entry = self.entries[name]
         dirty = entry.dirty  # a recheck reads its size again
         if name in self.streams.active:
-            if dirty or (self.readable and not self.streams.active[name].intact()):
+            if dirty or (self.readable and not intact(self.streams.active[name])):
                 self.recheck(name)
         elif dirty or (self.readable and self.transfer.is_resident(entry) is not (name in self.resident)):
             self.recheck(name)
@@ -182,7 +183,7 @@ class Session:
         if entry.dirty:
             self.transfer.book.refresh(module, entry)
         if name in self.streams.active:
-            if not self.readable or self.streams.active[name].intact():  # where tensors cannot tell, the record
+            if not self.readable or intact(self.streams.active[name]):  # where tensors cannot tell, the record
                 return
             logger.debug(f"`{name}` was moved outside offload while it streamed; streaming stops where it is.")
             self.streams.abandon(name)

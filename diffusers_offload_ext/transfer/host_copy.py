@@ -10,7 +10,8 @@ be lost, so `unchanged` checks, in order of cost:
 2. identity: the same `Parameter` objects and buffer tensors, with the same data pointers (a replaced tensor, for
    example `weight.data = fused`, changes it), and no gradient;
 3. version counters: any in-place operation on the parameter or buffer itself (`p.mul_(2)`, `copy_`,
-   `load_state_dict`) bumps `t._version`;
+   `load_state_dict`) bumps `t._version` (inference tensors, made under `torch.inference_mode()`, have none: for
+   them only the content check below sees an edit);
 4. content: edits through `.data` (`weight.data += delta`, as PEFT's `merge()` fuses a LoRA) bump no counter that
    can be seen from the parameter, so a fingerprint of every device tensor (`fingerprint.py`) is taken right after
    the onload and again before the eviction.
@@ -26,6 +27,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from .inference import version_of
 from .fingerprint import fingerprints
 
 Slot = Tuple[torch.nn.Module, bool, str, torch.Tensor]
@@ -79,7 +81,7 @@ class HostCopy:
         if self.content is None:
             return  # something it cannot read: the eviction will copy
         self.signature = [
-            (weakref.ref(sub), is_param, key, weakref.ref(t), t.data_ptr(), t._version)
+            (weakref.ref(sub), is_param, key, weakref.ref(t), t.data_ptr(), version_of(t))
             for sub, is_param, key, t in found
         ]
 
@@ -104,7 +106,7 @@ class HostCopy:
         for (sub, is_param, key, t), (sub0, is_param0, key0, ref0, ptr0, version0) in zip(found, self.signature):
             if sub is not sub0() or is_param != is_param0 or key != key0:
                 return False
-            if t is not ref0() or t.data_ptr() != ptr0 or t._version != version0:
+            if t is not ref0() or t.data_ptr() != ptr0 or version_of(t) != version0:
                 return False
             if is_param and t.grad is not None:
                 return False
@@ -116,7 +118,7 @@ class HostCopy:
     def write_back(self, module: torch.nn.Module) -> bool:
         """Copy the device tensors into the host tensors, in place, and put those back (an eviction that copies but
         keeps the host memory, page-locked as it is). False, with nothing changed, where the structure, a shape or a
-        dtype changed on the device: then only a fresh host copy can hold the weights."""
+        dtype changed on the device, or a host tensor is an inference tensor: then a fresh host copy holds them."""
         found = list(slots(module, self.only))
         if len(found) != len(self.host):
             return False
@@ -124,8 +126,8 @@ class HostCopy:
         for (sub, is_param, key, t), (sub_ref, is_param0, key0, _, host) in zip(found, self.host):
             if sub is not sub_ref() or is_param != is_param0 or key != key0:
                 return False
-            if t.shape != host.shape or t.dtype != host.dtype or t.layout != host.layout:
-                return False
+            if t.shape != host.shape or t.dtype != host.dtype or t.layout != host.layout or host.is_inference():
+                return False  # an inference tensor cannot be written in place outside inference mode
             pairs.append((t, host))
         with torch.no_grad():
             for t, host in pairs:

@@ -18,6 +18,7 @@ import torch
 
 from ..constants import COPY, DROP, OFFLOAD, ONLOAD, PREFETCH
 from .base import HOST
+from .inference import has_inference_parameters, streams_ordinary_tensors, version_of
 from .host_copy import HostCopy
 from .ring import Copier, Ring
 
@@ -46,13 +47,15 @@ class _Streamed:
                 table[key] = original
             else:
                 table[key] = view
-        self.marks = [table[key]._version for table, key in self.tables]
+        self.marks = [version_of(table[key]) for table, key in self.tables]
 
     def changed(self) -> bool:
         for (table, key), original, view, mark in zip(self.tables, self.originals, self.views, self.marks):
             now = table.get(key)
             expected = original if isinstance(original, torch.nn.Parameter) else view
-            if now is not expected or now.data_ptr() != view.data_ptr() or now._version != mark:
+            if now is not expected or now.data_ptr() != view.data_ptr():
+                return True
+            if mark is None or version_of(now) != mark:  # no counter to read: taken as changed (written back)
                 return True
         return False
 
@@ -61,10 +64,12 @@ class _Streamed:
             for i, (table, key) in enumerate(self.tables):
                 now = table.get(key)
                 if write_back and now is not None:
-                    if now.shape == self.hosts[i].shape and now.dtype == self.hosts[i].dtype:
+                    host = self.hosts[i]
+                    if now.shape == host.shape and now.dtype == host.dtype and not host.is_inference():
                         self.hosts[i].copy_(now.data)
                     else:
-                        self.hosts[i] = now.data.to(HOST)  # a new shape no longer fits the ring: refused at load
+                        # A new shape (it no longer fits the ring: refused at load) or an inference tensor: a fresh copy.
+                        self.hosts[i] = now.data.to(HOST, copy=True)  # never a view of the ring
                 original = self.originals[i]
                 if isinstance(original, torch.nn.Parameter):
                     original.data = self.hosts[i]
@@ -113,7 +118,7 @@ class BlockStreamer:
     def __init__(
         self, component, blocks, plan, device, copier: Copier, emit: Emit, order=None, check=True, passes=None
     ) -> None:
-        self.passes = passes
+        self.passes, self.inference_parameters = passes, has_inference_parameters(component)
         self.component, self.device, self.copier, self.emit, self.check = component, device, copier, emit, check
         self.depth = max(plan.slots - 1, 1)
         self.kept = [b for b in blocks if b.name in set(plan.kept)]
@@ -132,6 +137,7 @@ class BlockStreamer:
         self._handles: list = []
 
     # -- life -------------------------------------------------------------------------------------------------------
+    @streams_ordinary_tensors
     def start(self) -> None:
         """Kept blocks to the device, the ring allocated, hooks on the streamed blocks, the first blocks prefetched."""
         for block in self.kept:
@@ -166,6 +172,7 @@ class BlockStreamer:
                 self._drop(slot)
         self.copier.drain()
 
+    @streams_ordinary_tensors
     def stop(self) -> None:
         """Everything back on the host: streamed blocks released, kept blocks evicted (without a copy when they are
         unchanged), the ring let go, the hooks removed."""
@@ -189,12 +196,6 @@ class BlockStreamer:
         self.copier.drain()
         self.ring, self.copies = None, {}
 
-    def intact(self) -> bool:
-        """Whether the weights are where streaming put them: kept blocks on the device, streamed ones on the host."""
-        if any(_device_of(block.slots) != self.device for block in self.kept):
-            return False
-        return all(block.running or _device_of(block.slots) == HOST for block in self.streamed.values())
-
     def _unhook(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -205,6 +206,7 @@ class BlockStreamer:
             self.ring = None
 
     # -- the hot path -----------------------------------------------------------------------------------------------
+    @streams_ordinary_tensors
     def enter(self, name: str) -> None:
         """Block `name` is about to run: its copy waited on (made now if it was not prefetched), its tensors pointed
         at its ring buffer, the next blocks prefetched."""
@@ -302,3 +304,10 @@ class BlockStreamer:
         self._holder[slot], block.slot, block.views = None, None, []
         self._tokens[slot] = None  # a copy never waited on: the next copy into this buffer follows it on its stream
         self.emit(name, OFFLOAD, block.nbytes, DROP)
+
+
+def intact(streamer: BlockStreamer) -> bool:
+    """Whether the weights are where `streamer` put them: kept blocks on the device, streamed ones on the host."""
+    if any(_device_of(block.slots) != streamer.device for block in streamer.kept):
+        return False
+    return all(block.running or _device_of(block.slots) == HOST for block in streamer.streamed.values())

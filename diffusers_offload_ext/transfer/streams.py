@@ -15,6 +15,7 @@ from typing import Dict
 import torch
 
 from .base import Moved
+from .inference import moves_ordinary_tensors
 from .ring import CudaCopier
 from .book import BOOK, Book
 from .synchronous import SyncTransfer
@@ -30,6 +31,7 @@ class StreamTransfer(SyncTransfer):
         self.stream = torch.cuda.Stream(device)
         self._events: Dict[int, torch.cuda.Event] = {}
 
+    @moves_ordinary_tensors
     def prefetch(self, module: torch.nn.Module, *, keep_host: bool, check: bool = True) -> Moved:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):

@@ -6,6 +6,7 @@ import torch
 
 from ..constants import COPY, DROP
 from .base import HOST, Moved, Transfer
+from .inference import moves_ordinary_tensors
 from .book import first_tensor, module_nbytes
 from .host_copy import HostCopy
 
@@ -13,6 +14,7 @@ from .host_copy import HostCopy
 class SyncTransfer(Transfer):
     """One `module.to(device)` per onload, one `module.to("cpu")` (or a drop) per offload, on the caller's stream."""
 
+    @moves_ordinary_tensors
     def onload(
         self, module: torch.nn.Module, *, keep_host: bool, check: bool = True, non_blocking: bool = False
     ) -> Moved:
@@ -37,6 +39,7 @@ class SyncTransfer(Transfer):
         self._resentinel(module, entry)
         return Moved(nbytes, COPY)
 
+    @moves_ordinary_tensors
     def offload(self, module: torch.nn.Module) -> Moved:
         self.ready(module)  # never evict what a pending copy is still writing
         entry = self.book.entry(module)
