@@ -570,7 +570,7 @@ def test_demo_png(tmp_path, capsys):
 
 
 def test_doctor(capsys, monkeypatch):
-    from diffusers_offload_ext.runtime import arming
+    from diffusers_offload_ext import marks
     from diffusers_offload_ext.runtime.methods import METHODS
 
     code, out, _ = run_cli(capsys, "doctor", "--json")
@@ -590,7 +590,7 @@ def test_doctor(capsys, monkeypatch):
     def patched(self, gpu_id=None, device=None, *, exclude_from_offload=None, keep_on_device_during_generation=None):
         pass
 
-    monkeypatch.setitem(arming.STOCK, "enable_model_cpu_offload", patched)
+    monkeypatch.setitem(marks.STOCK, "enable_model_cpu_offload", patched)
     code, out, _ = run_cli(capsys, "doctor", "--json")
     assert json.loads(out)["upstream_patch"] == {
         "exclude_from_offload": True,

@@ -96,12 +96,12 @@ def test_no_accelerator_and_no_device(installed, monkeypatch):
 
 
 def _stock_error(pipe_factory, prepare):
-    import diffusers_offload_ext.runtime.arming as mixin
+    from diffusers_offload_ext import marks
 
     pipe = pipe_factory()
     prepare(pipe)
     with pytest.raises(Exception) as info:
-        mixin.STOCK["enable_model_cpu_offload"](pipe, device="cpu")
+        marks.STOCK["enable_model_cpu_offload"](pipe, device="cpu")
     return type(info.value), str(info.value)
 
 

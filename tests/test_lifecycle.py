@@ -133,10 +133,10 @@ def test_remove_all_hooks_like_stock(installed):
 
 def _stock_pipeline_after(action):
     """Apply `action` to a pipeline whose model offload was enabled by stock diffusers (never installed)."""
-    import diffusers_offload_ext.runtime.arming as mixin
+    from diffusers_offload_ext import marks
 
     pipe = toy.build()
-    mixin.STOCK["enable_model_cpu_offload"](pipe, device="cpu")
+    marks.STOCK["enable_model_cpu_offload"](pipe, device="cpu")
     return pipe, _outcome(pipe, action)
 
 

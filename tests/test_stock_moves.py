@@ -35,11 +35,11 @@ def run_and_spy(name, enable, preview):
 @pytest.mark.parametrize("name", [n for n in tiny.PIPELINES if tiny.available(n)[0]])
 def test_defaults_move_exactly_like_stock(name, preview):
     import diffusers_offload_ext as doe
-    import diffusers_offload_ext.runtime.arming as arming
+    from diffusers_offload_ext import marks
 
     with contextlib.nullcontext() if CUDA else SimulatedAccelerator():
         stock_moves, stock_images = run_and_spy(
-            name, lambda p: arming.STOCK["enable_model_cpu_offload"](p, device=DEVICE), preview
+            name, lambda p: marks.STOCK["enable_model_cpu_offload"](p, device=DEVICE), preview
         )
         doe.install()
         try:

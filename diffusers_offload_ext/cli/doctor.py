@@ -121,7 +121,7 @@ def _upstream_patch() -> Dict[str, bool]:
     upstream patch adds."""
     import inspect
 
-    from ..runtime.arming import STOCK
+    from ..marks import STOCK
 
     parameters = inspect.signature(STOCK[OVERRIDE]).parameters
     return {name: name in parameters for name in PATCH_ARGUMENTS}

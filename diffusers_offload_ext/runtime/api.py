@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from ..observe.ledger import TransferLedger
-from .arming import ensure_session, get_session
+from ..ledger import TransferLedger
+from ..marks import get_session
+from .arming import ensure_session
 from .block_streams import BlockStatus
 
 

@@ -7,9 +7,9 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 from accelerate.hooks import add_hook_to_module, remove_hook_from_module
-from diffusers import DiffusionPipeline
 
 from ..constants import OFFLOAD
+from ..marks import SESSION_ATTR, STOCK, get_session
 from ..layout import Arrangement, PipelineLayout, modules_of
 from ..policies import ChainPolicy, Facts, PrefetchPolicy, ResidencyPolicy
 from ..transfer import ELSEWHERE, MIXED, ON_DEVICE, BOOK, STREAMED, make_transfer, memory, pinned
@@ -20,24 +20,6 @@ from .devices import resolve_device
 from .options import OffloadOptions, resolve_budget, resolve_options
 from .overrides import layout_of, mirror_exclusion, quiet_sub_pipelines, restore_mirrored
 from .session import Session, Sizes
-
-#: Attribute of the pipeline (in its `__dict__`) that holds its `Session`.
-SESSION_ATTR = "_offload_ext_session"
-#: Marks a function of ours that replaced a `DiffusionPipeline` method or wraps a `__call__`.
-MARK = "__offload_ext_wraps__"
-
-#: Stock's methods, captured before `install()` can replace them.
-STOCK = {
-    name: getattr(DiffusionPipeline.__dict__[name], MARK, DiffusionPipeline.__dict__[name])
-    for name in (
-        "enable_model_cpu_offload",
-        "remove_all_hooks",
-        "to",
-        "maybe_free_model_hooks",
-        "progress_bar",
-        "__setattr__",
-    )
-}
 
 
 class Arming(NamedTuple):
@@ -51,10 +33,6 @@ class Arming(NamedTuple):
     budget: Optional[int]
     auto_budget: bool
     user_excluded: Tuple[str, ...]
-
-
-def get_session(pipe) -> Optional[Session]:
-    return pipe.__dict__.get(SESSION_ATTR)
 
 
 def ensure_session(pipe) -> Session:

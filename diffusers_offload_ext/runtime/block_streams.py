@@ -10,7 +10,7 @@ from diffusers.utils import logging
 
 from ..blocks import REST, find_blocks
 from ..constants import ONLOAD
-from ..observe.ledger import TransferRecord
+from ..ledger import TransferRecord
 from ..policies import DEPTH, Item, StreamPlan, least_room, plan_stream
 from ..transfer.ring import aligned_nbytes, streamable
 from ..transfer.streaming import BlockStreamer

@@ -7,6 +7,7 @@ import torch
 from accelerate.hooks import CpuOffload, UserCpuOffloadHook, remove_hook_from_module
 from accelerate.utils import send_to_device
 
+from ..marks import HOOK_MARK, extension_hook
 from . import sharing
 
 _compiler_disable = getattr(getattr(torch, "compiler", None), "disable", lambda fn: fn)
@@ -58,6 +59,10 @@ class DeferredCpuOffload(CpuOffload):
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
 
+# How code that must not import the runtime (the trace) recognises it: `marks.extension_hook`.
+setattr(DeferredCpuOffload, HOOK_MARK, True)
+
+
 class OffloadHandle(UserCpuOffloadHook):
     """The handle stored in `pipe._all_hooks`, like accelerate's: `offload()` and `remove()`."""
 
@@ -87,10 +92,4 @@ def in_place(values, device: torch.device, readable: bool) -> bool:
 
 def ours(module: torch.nn.Module):
     """The `DeferredCpuOffload` attached to `module` (alone or in accelerate's `SequentialHook`), or `None`."""
-    hook = getattr(module, "_hf_hook", None)
-    if isinstance(hook, DeferredCpuOffload):
-        return hook
-    for inner in getattr(hook, "hooks", None) or ():
-        if isinstance(inner, DeferredCpuOffload):
-            return inner
-    return None
+    return extension_hook(getattr(module, "_hf_hook", None))

@@ -7,7 +7,7 @@ from typing import List, Tuple
 from diffusers import DiffusionPipeline
 from diffusers.utils import logging
 
-from .arming import MARK
+from ..marks import MARK
 from .methods import METHODS, guard_call
 from .overrides import ADAPTED, adapt
 

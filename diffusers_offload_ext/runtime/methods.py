@@ -14,12 +14,10 @@ from diffusers.utils import logging
 from ..calls import StepBar
 from ..layout import modules_of
 from .overrides import NEW_OPTIONS, adapt, own_override
+from ..marks import MARK, STOCK, get_session
 from .arming import (
-    MARK,
-    STOCK,
     arm,
     component_left,
-    get_session,
     refresh_budget,
     restore_exclusion,
     unchanged,

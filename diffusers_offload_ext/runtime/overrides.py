@@ -104,7 +104,7 @@ def layout_of(pipe, class_excluded: Optional[Sequence[str]] = None) -> PipelineL
 def quiet_sub_pipelines(pipe) -> None:
     """Before a combined pipeline is armed whole: its sub-pipelines hold no hooks of their own any more (their
     end-of-call offload would otherwise arm them again over the shared modules)."""
-    from .arming import STOCK, get_session
+    from ..marks import STOCK, get_session
 
     if not getattr(type(pipe), "_load_connected_pipes", False):
         return
@@ -162,7 +162,7 @@ def adapt(original):
         pin_memory=None,
         prefetch=None,
     ):
-        from .arming import get_session
+        from ..marks import get_session
         from .methods import METHODS
 
         options = {name: value for name, value in locals().items() if name in NEW_OPTIONS}

@@ -12,7 +12,7 @@ from diffusers.utils import logging
 
 from ..calls import CallTracker
 from ..constants import OFFLOAD, ONLOAD, PREFETCH, STREAM
-from ..observe.ledger import TransferLedger, TransferRecord
+from ..ledger import TransferLedger, TransferRecord
 from ..policies import NOTHING, Decision, Facts, Policy
 from ..transfer import MIXED, ON_DEVICE, ON_HOST, Transfer, pinned
 from ..transfer.streaming import intact

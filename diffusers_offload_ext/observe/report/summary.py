@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from ..ledger import count, new_counter
+from ...ledger import count, new_counter
 from ..trace.records import REPLAYED
 
 

@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Set, Tuple
 
 import torch
 
-from ...runtime.arming import MARK
+from ...marks import MARK
 
 #: Pipeline methods that may move weights; each is bracketed by a look at every tensor.
 PIPELINE_METHODS = (

@@ -10,6 +10,7 @@ import torch
 
 from ...layout import PipelineLayout
 from ...layout import modules_of
+from ...marks import extension_hook
 from .devices import device_name
 from .hooks import hook_chain, registry_hooks
 
@@ -108,7 +109,7 @@ def detect(pipe, modules: Dict[str, torch.nn.Module], session) -> Tuple[Optional
         return session.device, EXTENSION_MODE
     for module in modules.values():
         hook = getattr(module, "_hf_hook", None)
-        if hook is not None and not _is_extension_hook(hook) and _is_cpu_offload(hook):
+        if hook is not None and extension_hook(hook) is None and _is_cpu_offload(hook):
             device = next((h.execution_device for h in hook_chain(hook) if hasattr(h, "execution_device")), None)
             return torch.device(device_name(device) or "cpu"), MODEL_OFFLOAD
     found = _submodule_mode(modules)
@@ -145,9 +146,3 @@ def _is_cpu_offload(hook) -> bool:
     from accelerate.hooks import CpuOffload
 
     return any(isinstance(h, CpuOffload) for h in hook_chain(hook))
-
-
-def _is_extension_hook(hook) -> bool:
-    from ...runtime.hook import DeferredCpuOffload
-
-    return any(isinstance(h, DeferredCpuOffload) for h in hook_chain(hook))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional
 
-from ...constants import DROP
+from ...ledger import CopiedBytes
 
 FORMAT = "diffusers-offload-trace"
 FORMAT_VERSION = 1
@@ -24,7 +24,7 @@ BETWEEN = "between hooks"
 
 
 @dataclasses.dataclass
-class TraceRecord:
+class TraceRecord(CopiedBytes):
     """One move of (part of) one component's weights.
 
     Args:
@@ -69,11 +69,6 @@ class TraceRecord:
     where: str = ""
     resident_bytes: int = 0
     block: Optional[str] = None
-
-    @property
-    def copied_bytes(self) -> int:
-        """Bytes that crossed the bus (0 for a drop)."""
-        return 0 if self.kind == DROP else self.nbytes
 
 
 @dataclasses.dataclass

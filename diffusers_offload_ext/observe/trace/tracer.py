@@ -10,7 +10,7 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from ...constants import ONLOAD
-from ...runtime.arming import get_session
+from ...marks import get_session
 from ...transfer.book import module_nbytes
 from .extension import ExtensionMoves
 from .hooks import TRACER_ATTR, Wrappers, traced_class

@@ -1,11 +1,12 @@
-"""The transfer ledger: one record per move the extension made of one pipeline's component weights."""
+"""The transfer ledger: one record per move the extension made of one pipeline's component weights, written by the
+pipeline's session and read by `doe.transfer_ledger`, the trace and its reports."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Iterator, List, Optional
 
-from ..constants import DROP, ONLOAD
+from .constants import DROP, ONLOAD
 
 
 def new_counter() -> dict:
@@ -27,8 +28,19 @@ def count(counter: dict, record) -> None:
     counter["total_bytes"] += record.copied_bytes
 
 
+class CopiedBytes:
+    """What a record of a move (anything with `nbytes` and `kind`) says crossed the bus."""
+
+    __slots__ = ()
+
+    @property
+    def copied_bytes(self) -> int:
+        """Bytes that really crossed the bus (0 for a dropping eviction)."""
+        return 0 if self.kind == DROP else self.nbytes
+
+
 @dataclasses.dataclass(frozen=True)
-class TransferRecord:
+class TransferRecord(CopiedBytes):
     """One move of one component.
 
     Args:
@@ -51,11 +63,6 @@ class TransferRecord:
     kind: str = "copy"
     step: Optional[int] = None
     block: Optional[str] = None
-
-    @property
-    def copied_bytes(self) -> int:
-        """Bytes that really crossed the bus (0 for a dropping eviction)."""
-        return 0 if self.kind == DROP else self.nbytes
 
 
 class TransferLedger:

@@ -1,0 +1,49 @@
+"""What the extension leaves on diffusers objects, and how to recognise it: the attribute that holds a pipeline's
+session, the marks on the functions that replace or wrap pipeline methods, stock's own methods captured before
+`install()` replaces them, and the marker of the extension's offload hook."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from diffusers import DiffusionPipeline
+
+#: Attribute of the pipeline (in its `__dict__`) that holds its `Session`.
+SESSION_ATTR = "_offload_ext_session"
+#: Marks a function of ours that replaced a `DiffusionPipeline` method or wraps a `__call__` (the value: what it
+#: replaced or wraps).
+MARK = "__offload_ext_wraps__"
+#: Set on an adapted override of `enable_model_cpu_offload`, pointing to the class's own method.
+ADAPTED = "__offload_ext_adapts__"
+#: A class attribute, true on the extension's offload hook (`DeferredCpuOffload`).
+HOOK_MARK = "_offload_ext_hook"
+
+#: The `DiffusionPipeline` methods `install()` replaces.
+REPLACED = (
+    "enable_model_cpu_offload",
+    "remove_all_hooks",
+    "to",
+    "maybe_free_model_hooks",
+    "progress_bar",
+    "__setattr__",
+)
+
+#: Stock's methods, captured before `install()` can replace them.
+STOCK = {name: getattr(DiffusionPipeline.__dict__[name], MARK, DiffusionPipeline.__dict__[name]) for name in REPLACED}
+
+
+def get_session(pipe) -> Optional[Any]:
+    """The extension's `Session` of `pipe`, or `None` when the extension never armed it."""
+    return pipe.__dict__.get(SESSION_ATTR)
+
+
+def extension_hook(hook) -> Optional[Any]:
+    """The extension's offload hook in accelerate hook `hook` (the hook itself, or one that a `SequentialHook`
+    chains), or `None`."""
+    if getattr(hook, HOOK_MARK, False):
+        return hook
+    for inner in getattr(hook, "hooks", None) or ():
+        found = extension_hook(inner)
+        if found is not None:
+            return found
+    return None
