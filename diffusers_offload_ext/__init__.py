@@ -18,7 +18,7 @@ _EXPORTS = {
     "DeferredCpuOffload": "runtime.hook",
     "END": "constants",
     "OffloadHandle": "runtime.hook",
-    "OffloadMixin": "runtime.methods",
+    "OffloadMixin": "runtime.install",
     "OffloadOptions": "runtime.options",
     "OffloadStatus": "runtime.api",
     "PipelineLayout": "layout",

@@ -4,7 +4,7 @@ pipeline's session and read by `doe.transfer_ledger`, the trace and its reports.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional, Tuple
 
 from .constants import DROP, ONLOAD
 
@@ -122,3 +122,30 @@ class TransferLedger:
         total["per_component"] = per_component
         total["per_call"] = per_call
         return total
+
+
+class Recorder:
+    """The one recorder of one pipeline's moves, of whole components and of blocks: the ledger, and the observers told
+    of every move (`(component, direction, module) -> finish(record)`: told before the move, finished after).
+
+    Args:
+        calls (`CallTracker`): The pipeline's calls (each record's call index and step).
+    """
+
+    def __init__(self, calls) -> None:
+        self.calls = calls
+        self.ledger = TransferLedger()
+        self.observers: List[Callable] = []
+
+    def record(
+        self, name: str, direction: str, module, move: Callable[[], Tuple[int, str]], block: Optional[str] = None
+    ) -> TransferRecord:
+        """Tell the observers, make the move (`move()` returns the bytes and the kind it moved), append its record
+        and give it to the observers."""
+        finishers = [observer(name, direction, module) for observer in self.observers]
+        nbytes, kind = move()
+        record = TransferRecord(name, direction, nbytes, self.calls.index, kind, self.calls.step, block)
+        self.ledger.append(record)
+        for finish in finishers:
+            finish(record)
+        return record

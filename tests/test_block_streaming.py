@@ -17,7 +17,7 @@ pytest.importorskip("diffusers_offload_ext", reason="plugin-only: block streamin
 import diffusers_offload_ext as doe  # noqa: E402
 from diffusers_offload_ext.blocks import REST, block_sizes  # noqa: E402
 from diffusers_offload_ext.testing import tiny  # noqa: E402
-from diffusers_offload_ext.testing.streams import fake_copy_stream  # noqa: E402
+from diffusers_offload_ext.testing.copy_stream import fake_copy_stream  # noqa: E402
 from diffusers_offload_ext.transfer.ring import ALIGN, Ring, aligned_nbytes  # noqa: E402
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.usefixtures("installed")]

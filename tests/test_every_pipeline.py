@@ -13,7 +13,9 @@ import diffusers  # noqa: E402
 import diffusers_offload_ext as doe  # noqa: E402
 import toy  # noqa: E402
 from diffusers import DiffusionPipeline  # noqa: E402
-from diffusers_offload_ext.runtime.overrides import ADAPTED, combined_layout, own_override, support  # noqa: E402
+from diffusers_offload_ext.marks import ADAPTED  # noqa: E402
+from diffusers_offload_ext.runtime.combined import combined_layout  # noqa: E402
+from diffusers_offload_ext.runtime.overrides import own_override, support  # noqa: E402
 
 pytestmark = pytest.mark.plugin_only
 NEW = (

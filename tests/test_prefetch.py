@@ -1,6 +1,6 @@
 """`prefetch=True`: with the residency manager, the component the previous call ran next is onloaded while the
 current one runs, when the budget has room for both; its completion is waited on before it runs. On the simulated
-accelerator with a fake copy stream (`diffusers_offload_ext/testing/streams.py`), whose prefetched weights hold NaN
+accelerator with a fake copy stream (`diffusers_offload_ext/testing/copy_stream.py`), whose prefetched weights hold NaN
 until waited on: a component run too early gives a wrong image. What a real CUDA stream does is not tested here."""
 
 import pytest
@@ -11,7 +11,7 @@ pytest.importorskip("diffusers_offload_ext", reason="plugin-only: prefetch is no
 
 import diffusers_offload_ext as doe  # noqa: E402
 from diffusers_offload_ext.testing import tiny  # noqa: E402
-from diffusers_offload_ext.testing.streams import fake_copy_stream  # noqa: E402
+from diffusers_offload_ext.testing.copy_stream import fake_copy_stream  # noqa: E402
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.usefixtures("installed")]
 TOLERANCE = 1e-3

@@ -231,13 +231,12 @@ def test_never_moves_more_bytes_than_stock(workload, keep_between, zero_copy):
 def test_streaming_beside_resident_components_keeps_the_budget_and_never_moves_more_than_stock(
     workload, keep_between, zero_copy, share
 ):
-    """With `Facts.can_stream` (here: a component streams when `share` quarters of it fit the room), a component that
+    """With `Facts.stream_rooms` (here: a component streams when `share` quarters of it fit the room), a component that
     does not fit beside the resident ones may stream in the room they leave: the room plus what stays within the
     budget, and (a stream modelled as a whole onload, exact for a component run once) no more bytes than stock."""
     names, sizes, trace, budget = workload
 
-    def can_stream(name, room):
-        return room * 4 >= sizes[name] * share
+    stream_rooms = {name: -(-sizes[name] * share // 4) for name in sizes}  # room * 4 >= size * share
 
     streaming = {}
 
@@ -255,7 +254,7 @@ def test_streaming_beside_resident_components_keeps_the_budget_and_never_moves_m
             assert event in resident
 
     policy = manager(names, sizes, budget, keep_between, zero_copy)
-    ours = replay_trace(policy, trace, sizes, zero_copy=zero_copy, check=check, can_stream=can_stream)
+    ours = replay_trace(policy, trace, sizes, zero_copy=zero_copy, check=check, stream_rooms=stream_rooms)
     base = simulate(stock(names), trace, sizes)
     if budget is None or base.peak <= budget:
         assert ours.copied <= base.copied

@@ -15,8 +15,8 @@ pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the residency 
 
 import diffusers_offload_ext as doe  # noqa: E402
 import toy  # noqa: E402
-from diffusers_offload_ext.runtime import options as options_module  # noqa: E402
-from diffusers_offload_ext.runtime.block_streams import stream_plan  # noqa: E402
+from diffusers_offload_ext.runtime import budget as budget_module  # noqa: E402
+from diffusers_offload_ext.runtime.block_streams import stream_room  # noqa: E402
 from diffusers_offload_ext.transfer import memory  # noqa: E402
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.usefixtures("accelerator")]
@@ -150,7 +150,7 @@ def test_automatic_budget_on_cuda(installed, monkeypatch):
     """`None` on CUDA: free memory at enable + what the pipeline holds there - reserve (memory functions mocked)."""
     monkeypatch.setattr(memory, "total_bytes", lambda device: 1 << 20)
     monkeypatch.setattr(memory, "free_bytes", lambda device: 1000)
-    monkeypatch.setattr(options_module, "AUTO_BUDGET_STEP", 1)
+    monkeypatch.setattr(budget_module, "AUTO_BUDGET_STEP", 1)
     pipe = build()
     pipe.enable_model_cpu_offload(device="cpu", keep_on_device_between_generations=True, memory_reserve=100)
     assert status(pipe).budget == 1000 - 100  # nothing on the device yet
@@ -302,10 +302,8 @@ def replay_ledger(pipe, budget):
     )
     modules = pipe.components
 
-    def can_stream(name, room):
-        return stream_plan(modules[name], room)[0] is not None
-
-    return [tuple(m) for m in doe.replay_trace(fresh, trace, sizes, zero_copy=True, can_stream=can_stream).moves]
+    rooms = {name: room for name in sizes if (room := stream_room(modules[name])) is not None}
+    return [tuple(m) for m in doe.replay_trace(fresh, trace, sizes, zero_copy=True, stream_rooms=rooms).moves]
 
 
 def totals(moves):

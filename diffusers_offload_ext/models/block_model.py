@@ -3,9 +3,10 @@ the runtime would make for a component within a room, and the residency manager'
 block by block.
 
 The residency manager answers `STREAM` for a component larger than the room it has (and for one that runs once
-beside the resident components, `Facts.can_stream`); `policies.replay_trace` books such a stream as one onload of the
-whole component. `replay_streaming` replays the same policy with the runtime's answer to `can_stream` (a plan of
-`policies.plan_stream` exists: the component has repeated blocks, its rest and a ring fit) and books each stream as
+beside the resident components, `Facts.stream_rooms`); `policies.replay_trace` books such a stream as one onload of
+the whole component. `replay_streaming` replays the same policy with the stream rooms the runtime would measure (the
+least room in which a plan of `policies.plan_stream` exists: the component has repeated blocks, its rest and a ring
+fit) and books each stream as
 the runtime moves it: the plan's kept blocks once when the stream starts, and the streamed blocks at every use of the
 component while it streams (one pass per forward); as in the runtime, streams stop at every call's end. Ring buffers
 are sized without the runtime's 256-byte alignment of each tensor (under 0.01 % at real sizes). Importing it needs no
@@ -131,9 +132,9 @@ class BlockPlans:
         forced = [REST] if REST in blocks else []
         return least_room([Item(block, nbytes, 1) for block, nbytes in blocks.items()], depth=DEPTH, forced=forced)
 
-    def can_stream(self, name: str, room: int) -> bool:
-        """`Facts.can_stream`, as the runtime answers it."""
-        return self.plan(name, room) is not None
+    def rooms(self, names) -> Dict[str, int]:
+        """`Facts.stream_rooms` of `names`, as the runtime measures them (`least_room`)."""
+        return {name: room for name in names if (room := self.least_room(name)) is not None}
 
 
 class StopsStreams:
@@ -176,7 +177,7 @@ def replay_streaming(policy, trace: Sequence[str], sizes: Mapping[str, int], pla
         trace,
         sizes,
         zero_copy=zero_copy,
-        can_stream=plans.can_stream,
+        stream_rooms=plans.rooms(sizes),
         check=lambda event, resident, decision: decisions.append((event, decision)),
     )
     moves, held, streaming, peak, calls = iter(result.moves), {}, {}, 0, 0

@@ -50,13 +50,14 @@ class Facts(NamedTuple):
         sizes (`Mapping[str, int]`): Current bytes of each component (parameters and buffers).
         capacity (`Callable[[int], Optional[int]]`, *optional*): Given the bytes of weights resident now, the bytes
             the device can hold now (`None`: no limit known). Only on devices whose free memory can be read.
-        can_stream (`Callable[[str, int], bool]`, *optional*): Whether a component can run block by block within a
-            room of that many bytes (`None`: never asked; a component that fits alone is then loaded whole).
+        stream_rooms (`Mapping[str, int]`, *optional*): The fewest bytes each component can run block by block in
+            (any room at least that large will do); a component absent cannot. `None`: streaming beside the resident
+            components is never considered (a component that fits alone is then loaded whole).
     """
 
     sizes: Mapping[str, int]
     capacity: Optional[Callable[[int], Optional[int]]] = None
-    can_stream: Optional[Callable[[str, int], bool]] = None
+    stream_rooms: Optional[Mapping[str, int]] = None
 
 
 class Policy:

@@ -62,7 +62,7 @@ def replay_trace(
     zero_copy: bool = False,
     resident: Optional[Iterable[str]] = None,
     check: Optional[Callable[[Optional[str], Set[str], Decision], None]] = None,
-    can_stream: Optional[Callable[[str, int], bool]] = None,
+    stream_rooms: Optional[Mapping[str, int]] = None,
 ) -> Replay:
     """Replay `trace` (component names, `END` after each call) through `policy`.
 
@@ -74,10 +74,10 @@ def replay_trace(
             replay), as the runtime does with zero-copy eviction.
         resident (`Iterable[str]`, *optional*): Components on the device before the trace. When not given, the trace
             starts with offload being armed on an all-on-host pipeline, and that arm's moves are counted.
-        can_stream (`Callable[[str, int], bool]`, *optional*): Whether a component can stream its blocks within a
-            room of that many bytes (`Facts.can_stream`; the runtime's is `runtime.block_streams.stream_plan`). A
-            stream is modelled as an onload of the whole component, exact for a component that runs once while it
-            streams (a text encoder); a denoiser streamed at every step moves more.
+        stream_rooms (`Mapping[str, int]`, *optional*): The fewest bytes each component can stream its blocks in
+            (`Facts.stream_rooms`; the runtime measures them with `runtime.block_streams.stream_room`). A stream is
+            modelled as an onload of the whole component, exact for a component that runs once while it streams (a
+            text encoder); a denoiser streamed at every step moves more.
         check (`Callable`, *optional*): Called after every event with the event (`None` for arming, a component name
             or `END`), the resident set after it, and the decision (tests check invariants with it).
 
@@ -85,7 +85,7 @@ def replay_trace(
         `Replay`: the moves, bytes per call, and the peak.
     """
     calls = policy.calls if policy.calls is not None else CallTracker()
-    facts = Facts(sizes, can_stream=can_stream)
+    facts = Facts(sizes, stream_rooms=stream_rooms)
     on_device: Set[str] = set(resident or ())
     moves: List[ReplayedMove] = []
     per_call: List[int] = []

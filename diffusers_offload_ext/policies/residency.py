@@ -3,7 +3,7 @@ one call to the next if asked, and evict what the predicted future needs least.
 
 A component that does not fit even alone streams its blocks within the limit (`STREAM`, carried out by the runtime,
 see `blocks.py`); one that fits alone but not beside the resident ones streams in the room they leave instead of
-evicting them, when the prediction runs it only once more in the call, the runtime says it can (`Facts.can_stream`)
+evicting them, when the prediction runs it only once more in the call, the facts say it can in that room (`Facts.stream_rooms`)
 and the bytes saved against stock cover a wrong prediction.
 
 Components move to the device only when they run (loading on demand never costs more bytes than loading ahead).
@@ -244,7 +244,7 @@ def stream_beside(policy: ResidencyPolicy, name: str, others: List[str], keep: S
     saved against stock does not cover a wrong prediction (on a first call the chain order predicts that a denoiser
     runs once): `name` is loaded whole at its next use in the call (`ResidencyPolicy.on_use`), and without
     zero-copy its stream's kept blocks are copied back and the resident ones beyond stock's owe their copies."""
-    if facts.can_stream is None or all(n in keep for n in others):
+    if facts.stream_rooms is None or all(n in keep for n in others):
         return None
     wrong = policy.sizes[name]
     if not policy.zero_copy:  # and the copies owed for what is kept beyond stock's (stock paid for evicting those)
@@ -254,7 +254,8 @@ def stream_beside(policy: ResidencyPolicy, name: str, others: List[str], keep: S
     upcoming = policy.planner.upcoming(policy.calls.current, policy.model, policy.chain, bool(policy.calls.history))
     rest = upcoming[: upcoming.index(END)] if END in upcoming else upcoming
     room = limit - sum(policy.sizes[n] for n in others)
-    if name in rest or room <= 0 or not facts.can_stream(name, room):
+    least = facts.stream_rooms.get(name)
+    if name in rest or room <= 0 or least is None or room < least:
         return None
     return Decision(((STREAM, name),), Overflow(name, policy.sizes[name], room))
 

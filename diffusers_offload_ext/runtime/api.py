@@ -7,8 +7,8 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from ..ledger import TransferLedger
 from ..marks import get_session
-from .arming import ensure_session
 from .block_streams import BlockStatus
+from .session import session_of
 
 
 def _check(pipe) -> None:
@@ -40,7 +40,7 @@ def transfer_ledger(pipe) -> TransferLedger:
     ```
     """
     _check(pipe)
-    return ensure_session(pipe).ledger
+    return session_of(pipe).ledger
 
 
 def release(pipe) -> int:
@@ -71,12 +71,7 @@ def release(pipe) -> int:
     session = get_session(pipe)
     if session is None or not session.active:
         return 0
-    for name in session.modules:
-        if session.entries[name].dirty or session.transfer.readable:
-            session.recheck(name)
-    before = len(session.ledger)
-    session.carry_out(session.policy.on_release(session.resident, session.facts))
-    return sum(record.nbytes for record in session.ledger.records[before:])
+    return session.release()
 
 
 class ComponentStatus(NamedTuple):

@@ -1,29 +1,43 @@
-"""Arming a pipeline: validate everything first (`validate`, which changes nothing), then place the components, make
-the policy and attach the hooks (`arm`); and the check that lets an unchanged re-enable skip all of it."""
+"""Arming a pipeline: `validate` checks every argument and computes an `Arming` (changing nothing), `arm` has the
+pipeline's session adopt it (its components, the transfer, the policy, the hooks), and `unchanged` tells when an
+enable with no new option would arm exactly what is armed, so that it can skip all of that."""
 
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
-from accelerate.hooks import add_hook_to_module, remove_hook_from_module
+from diffusers.utils import logging
 
-from ..constants import OFFLOAD
-from ..marks import SESSION_ATTR, STOCK, get_session
 from ..layout import Arrangement, PipelineLayout, modules_of
-from ..policies import ChainPolicy, Facts, PrefetchPolicy, ResidencyPolicy
-from ..transfer import ELSEWHERE, MIXED, ON_DEVICE, BOOK, STREAMED, make_transfer, memory, pinned
-from . import sharing
+from ..marks import STOCK
+from ..policies import ChainPolicy, Policy, PrefetchPolicy, ResidencyPolicy
+from ..transfer import BOOK, ON_DEVICE, make_transfer, memory
+from .budget import resolve_budget
 from .checks import check_pinning, raise_like_stock
-from .hook import DeferredCpuOffload, OffloadHandle, ours
+from .combined import layout_of, quiet_sub_pipelines
 from .devices import resolve_device
-from .options import OffloadOptions, resolve_budget, resolve_options
-from .overrides import layout_of, mirror_exclusion, quiet_sub_pipelines, restore_mirrored
-from .session import Session, Sizes
+from .hook import attach, ours
+from .options import OffloadOptions, resolve_options
+from .placement import Sizes
+from .session import Session, session_of
+
+logger = logging.get_logger(__name__)
 
 
 class Arming(NamedTuple):
-    """Everything `arm` needs, computed by `validate` before anything changes."""
+    """Everything `arm` needs, computed by `validate` before anything changes (a session stores it once:
+    `Session.arming`).
+
+    Args:
+        options (`OffloadOptions`): The options in force.
+        device (`torch.device`): The execution device; `index` (`int`): its index.
+        layout (`PipelineLayout`): The pipeline as model offload sees it; `arrangement` (`Arrangement`): how the
+            options arrange it.
+        budget (`int` or `None`): The residency manager's budget; `auto_budget` (`bool`): whether it is the
+            automatic one.
+        user_excluded (`Tuple[str, ...]`): `_exclude_from_cpu_offload` as the user has it.
+    """
 
     options: OffloadOptions
     device: torch.device
@@ -35,61 +49,12 @@ class Arming(NamedTuple):
     user_excluded: Tuple[str, ...]
 
 
-def ensure_session(pipe) -> Session:
-    session = get_session(pipe)
-    if session is None:
-        session = pipe.__dict__[SESSION_ATTR] = Session()
-    return session
-
-
-def user_exclusion(pipe, session: Optional[Session]) -> List[str]:
-    """`_exclude_from_cpu_offload` as the user has it, without this extension's instance-level additions."""
-    if session is not None and session.saved_exclusion is not None:
-        had_instance_value, value = session.saved_exclusion
-        if not had_instance_value:
-            value = getattr(type(pipe), "_exclude_from_cpu_offload", None)
-        return list(value or [])
-    return list(getattr(pipe, "_exclude_from_cpu_offload", None) or [])
-
-
-def restore_exclusion(pipe, session: Session) -> None:
-    """Undo our instance-level `_exclude_from_cpu_offload`, leaving what the user had set."""
-    restore_mirrored(session.sub_exclusions)
-    session.sub_exclusions = []
-    if session.saved_exclusion is None:
-        return
-    had_instance_value, value = session.saved_exclusion
-    session.saved_exclusion = None
-    if had_instance_value:
-        pipe.__dict__["_exclude_from_cpu_offload"] = value
-    else:
-        pipe.__dict__.pop("_exclude_from_cpu_offload", None)
-
-
-def unchanged(pipe, session: Session, gpu_id: Any, device: Any) -> bool:
-    """Whether an enable with no new options would arm exactly what is armed: same device, components, exclusions
-    and our hooks still attached. Constant work per component; no walk over parameters."""
-    if not session.active or (gpu_id is not None and gpu_id != getattr(pipe, "_offload_gpu_id", None)):
-        return False
-    if device is not None:
-        try:
-            wanted = torch.device(device)
-        except (RuntimeError, TypeError):
-            return False
-        if wanted.type != session.device.type or (wanted.index is not None and wanted.index != session.device.index):
-            return False
-    layout = layout_of(pipe, class_excluded=user_exclusion(pipe, session))
-    if layout != session.layout or any(pipe.components.get(n) is not m for n, m in session.modules.items()):
-        return False
-    return all(ours(session.modules[name]) is not None for name in session.arrangement.hooked)
-
-
 def validate(pipe, session: Optional[Session], gpu_id, device, **arguments) -> Arming:
     """Check every argument and compute the arming; raises before anything changes."""
     options = resolve_options(
         session.options if session is not None else OffloadOptions(), pipe.components, **arguments
     )
-    user_excluded = tuple(user_exclusion(pipe, session))
+    user_excluded = tuple(session.exclusion.user(pipe) if session is not None else _user_exclusion(pipe))
     layout = layout_of(pipe, class_excluded=user_excluded)
     raise_like_stock(pipe, layout)
     exec_device, index = resolve_device(
@@ -101,6 +66,10 @@ def validate(pipe, session: Optional[Session], gpu_id, device, **arguments) -> A
     if options.residency:
         budget, auto = _budget(pipe, options, layout, arrangement, exec_device)
     return Arming(options, exec_device, index, layout, arrangement, budget, auto, user_excluded)
+
+
+def _user_exclusion(pipe) -> list:
+    return list(getattr(pipe, "_exclude_from_cpu_offload", None) or [])
 
 
 def _budget(pipe, options, layout, arrangement, device) -> Tuple[Optional[int], bool]:
@@ -120,144 +89,82 @@ def _nbytes(module: torch.nn.Module) -> int:
     return entry.nbytes
 
 
-def arm(pipe, arming: Arming) -> None:
-    """Place the components as the options say, make the policy, attach the hooks."""
-    session = ensure_session(pipe)
+def arm(pipe, arming: Arming) -> Session:
+    """Arm `pipe` with `arming`: the session adopts it, the policy is made, the hooks attached. The moves come after,
+    from the caller: `Session.rearm()` for an enable, `Session.end_of_call()` at a call's end."""
+    session = session_of(pipe)
+    if arming.options.keeps_nothing and not session.options.keeps_nothing:
+        logger.warning(
+            "`keep_on_device_during_generation` has no effect with the residency manager on (`memory_budget` or "
+            "`keep_on_device_between_generations=True`): the manager evicts only to make room. It stays in force "
+            "for when the manager is off; pass `keep_on_device_during_generation=False` to drop it."
+        )
     quiet_sub_pipelines(pipe)
     STOCK["remove_all_hooks"](pipe)
-    restore_exclusion(pipe, session)
-    if session.transfer is not None:
-        session.transfer.flush()
-        session.stop_streams()
-    if session.transfer is not None and session.device != arming.device:
-        # Everything this pipeline put on the old device goes home first.
-        for name in sorted(session.resident & set(session.modules)):
-            session.move(name, OFFLOAD)
-        session.transfer = None
-    streamed = arming.options.prefetch and arming.device.type in STREAMED
-    if session.transfer is None or session.transfer.asynchronous != streamed:
-        session.transfer = make_transfer(arming.device, prefetch=streamed)
-    session.readable = session.transfer.readable
-    pinning = arming.options.pin_memory is not False
-    session.transfer.pinning = pinned.store_for(arming.device) if pinning else None
-    _adopt(session, pipe, arming)
-    session.policy = _policy(session, arming)
-    _end_or_arm(session)
-    excluded = list(arming.arrangement.excluded)
-    if excluded:
-        had = "_exclude_from_cpu_offload" in pipe.__dict__
-        session.saved_exclusion = (had, pipe.__dict__.get("_exclude_from_cpu_offload"))
-        pipe.__dict__["_exclude_from_cpu_offload"] = list(dict.fromkeys([*arming.user_excluded, *excluded]))
-        session.sub_exclusions = mirror_exclusion(pipe, excluded)
-    _attach(pipe, session)
-    session.active = True
-
-
-def _adopt(session: Session, pipe, arming: Arming) -> None:
-    """Take the pipeline's components as they are now: which ones left, where each one really is."""
+    session.exclusion.restore(pipe)
     modules = modules_of(pipe.components)
-    modules = {name: modules[name] for name in arming.layout.order}
-    stays = set(arming.arrangement.excluded) | set(arming.arrangement.round_trip)
-    pins_go = [m for n, m in session.modules.items() if modules.get(n) is not m or n in stays]
-    for name, module in session.modules.items():
-        if modules.get(name) is not module:
-            sharing.leave(session, module)
-    session.unpin(pins_go if session.transfer.pinning is not None else session.modules.values())
-    transfer = session.transfer
-    session.modules = modules
-    session.entries = {name: transfer.entry(module) for name, module in modules.items()}
-    session._names = {id(module): name for name, module in modules.items()}
-    session.arming = arming
-    session.device, session.options = arming.device, arming.options
-    session.layout, session.arrangement = arming.layout, arming.arrangement
-    session.budget, session.auto_budget = arming.budget, arming.auto_budget
+    session.adopt(arming, {name: modules[name] for name in arming.layout.order})
+    session.decide_with(*policy_for(session, arming))
     pipe._offload_gpu_id, pipe._offload_device = arming.index, arming.device
-    session.resident = set()
-    for name, module in modules.items():
-        sharing.join(session, module)
-        where = transfer.locate(module)
-        if where == ON_DEVICE:
-            session.resident.add(name)
-        elif where == ELSEWHERE:
-            # On another accelerator (the device changed): bring it home first.
-            session.resident.add(name)
-            session.move(name, OFFLOAD)
-        elif where == MIXED:
-            transfer.forget_host_copy(module)
-    zero_copy = arming.options.drops
-    for name, module in modules.items():
-        if name not in session.resident or not zero_copy or name in arming.arrangement.excluded:
-            transfer.forget_host_copy(module)
+    session.exclusion.apply(pipe, arming.user_excluded, arming.arrangement.excluded)
+    session.armed(attach(pipe, session))
+    return session
 
 
-def _policy(session: Session, arming: Arming):
+def policy_for(session: Session, arming: Arming) -> Tuple[Policy, Optional[Any]]:
+    """`(policy, capacity)` for `session` under `arming`: stock's chain with the two options, or the residency manager
+    (the one in force is kept while its configuration is the same: its plans span calls)."""
     options, arrangement, layout = arming.options, arming.arrangement, arming.layout
-    capacity = None
-    if options.residency:
-        capacity = memory.capacity(arming.device, options.memory_reserve if arming.auto_budget else 0)
-    session.facts = Facts(Sizes(session), capacity, session.streams.can_stream)
     if not options.residency:
         keep = True if options.keep_all else options.keep
-        return ChainPolicy.for_layout(layout, excluded=arrangement.excluded, keep=keep)
+        return ChainPolicy.for_layout(layout, excluded=arrangement.excluded, keep=keep), None
+    capacity = memory.capacity(arming.device, options.memory_reserve if arming.auto_budget else 0)
     kind = PrefetchPolicy if options.prefetch and session.transfer.asynchronous else ResidencyPolicy
     policy = kind(
         order=layout.order,
         chain=arrangement.chain,
         hooked=arrangement.hooked,
-        sizes=dict(session.facts.sizes),
+        sizes=dict(Sizes(session.placement, session.transfer)),
         excluded=arrangement.excluded,
         round_trip=arrangement.round_trip,
         budget=arming.budget,
         keep_between=options.keep_between,
         calls=session.calls,
-        cache=session.plan_cache,
+        cache=session.forecasts,
         zero_copy=options.drops,
         dynamic_capacity=capacity is not None,
     )
     previous = session.policy
     if isinstance(previous, ResidencyPolicy) and previous.config == policy.config:
-        return previous
-    return policy
+        return previous, capacity
+    return policy, capacity
 
 
-def _end_or_arm(session: Session) -> None:
-    """The moves of arming: at the end of a call (`maybe_free_model_hooks()`), the policy's end-of-call moves after
-    the call's trace joins the history; otherwise the policy's arming moves."""
-    if session.ending and session.calls.in_call and not session.calls.ended:
-        session.calls.end_trace(session.failing)
-        session.carry_out(session.policy.on_call_end(session.resident, session.facts))
+def unchanged(pipe, session: Session, gpu_id: Any, device: Any) -> bool:
+    """Whether an enable with no new options would arm exactly what is armed: same device, components, exclusions
+    and our hooks still attached. Constant work per component; no walk over parameters."""
+    if not session.active or (gpu_id is not None and gpu_id != getattr(pipe, "_offload_gpu_id", None)):
+        return False
+    if device is not None:
+        try:
+            wanted = torch.device(device)
+        except (RuntimeError, TypeError):
+            return False
+        if wanted.type != session.device.type or (wanted.index is not None and wanted.index != session.device.index):
+            return False
+    layout = layout_of(pipe, class_excluded=session.exclusion.user(pipe))
+    if layout != session.layout or any(pipe.components.get(n) is not m for n, m in session.modules.items()):
+        return False
+    return all(ours(session.modules[name]) is not None for name in session.arrangement.hooked)
+
+
+def arm_again(pipe, session: Session, gpu_id: Any = None, device: Any = None) -> None:
+    """Offload armed again with no new option (an enable without them, a call's end): where nothing changed, only the
+    automatic budget is read again; else the pipeline is validated and armed afresh. The moves are the caller's."""
+    if unchanged(pipe, session, gpu_id, device):
+        refresh_budget(session)
     else:
-        session.carry_out(session.policy.on_enable(session.resident, session.facts))
-
-
-def _attach(pipe, session: Session) -> None:
-    handles: List[OffloadHandle] = []
-    previous = None
-    chain = session.arrangement.chain
-    session.hooks = {}
-    for name in session.arrangement.hooked:
-        module = session.modules[name]
-        hook = DeferredCpuOffload(session, name, session.device, prev_module_hook=previous if name in chain else None)
-        add_hook_to_module(module, hook, append=True)
-        session.hooks[name] = hook
-        handle = OffloadHandle(module, hook)
-        handles.append(handle)
-        if name in chain:
-            previous = handle
-    pipe._all_hooks = handles
-
-
-def component_left(pipe, session: Session, name: str, module: torch.nn.Module) -> None:
-    """Component `name` was replaced or unregistered: the extension stops holding `module` (its hook goes, and it
-    leaves the device unless another armed pipeline holds it). The pipeline is armed again at its next call."""
-    hook = getattr(module, "_hf_hook", None)
-    if isinstance(hook, DeferredCpuOffload) and hook.session is session:
-        remove_hook_from_module(module)
-    others = [s for s in sharing.holders(module) if s is not session]
-    if name in session.resident and not others and session.transfer is not None:
-        session.move(name, OFFLOAD)
-    sharing.leave(session, module)
-    session.resident.discard(name)
+        arm(pipe, validate(pipe, session, gpu_id, device))
 
 
 def refresh_budget(session: Session) -> None:
@@ -274,6 +181,5 @@ def refresh_budget(session: Session) -> None:
     except ValueError:
         return
     if budget != arming.budget:
-        session.arming = arming._replace(budget=budget)
-        session.budget = budget
-        session.policy = _policy(session, session.arming)
+        arming = arming._replace(budget=budget)
+        session.decide_with(*policy_for(session, arming), arming=arming)

@@ -1,16 +1,15 @@
 """`BlockStreams`: the components of one pipeline that run block by block because they are larger than the room the
 budget leaves them: their stream plans and streamers, and what each streamer learned (the order its blocks ran in,
-how often each ran) for its next start."""
+how often each ran) for its next start; and `stream_room`, the fact the policy is told of how little room a
+component can stream in."""
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional, Set, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Set, Tuple
 
 from diffusers.utils import logging
 
 from ..blocks import REST, find_blocks
-from ..constants import ONLOAD
-from ..ledger import TransferRecord
 from ..policies import DEPTH, Item, StreamPlan, least_room, plan_stream
 from ..transfer.ring import aligned_nbytes, streamable
 from ..transfer.streaming import BlockStreamer
@@ -40,10 +39,10 @@ class BlockStatus(NamedTuple):
     bytes_per_pass: int
 
 
-def stream_plan(module, room: int, uses: Optional[Dict[str, int]] = None) -> Tuple[Optional[StreamPlan], list, str]:
-    """`(plan, blocks, why not)`: how `module` streams within `room` bytes (`policies.blocks.plan_stream` over its
-    blocks, ring slots sized as the ring lays blocks out, its rest kept, each block weighed by `uses`, 1 if not
-    given); the plan is `None` when it cannot stream, and `why not` says why."""
+def _items(module, uses: Optional[Dict[str, int]] = None) -> Tuple[Optional[list], list, str]:
+    """`(items, blocks, why not)`: `module`'s blocks as the knapsack sees them (ring slots sized as the ring lays blocks
+    out, each weighed by `uses`, 1 if not given); the items are `None` when it cannot stream, and `why not` says
+    why."""
     blocks = find_blocks(module)
     if not [b for b in blocks if b.name != REST]:
         return None, blocks, "it has no repeated blocks to stream"
@@ -56,7 +55,28 @@ def stream_plan(module, room: int, uses: Optional[Dict[str, int]] = None) -> Tup
         Item(b.name, b.nbytes if b.name == REST else aligned_nbytes(_tensors(b)), uses.get(b.name, 0) if known else 1)
         for b in blocks
     ]
-    forced = [REST] if blocks[0].name == REST else []
+    return items, blocks, ""
+
+
+def _forced(blocks) -> list:
+    return [REST] if blocks and blocks[0].name == REST else []
+
+
+def stream_room(module) -> Optional[int]:
+    """The fewest device bytes `module` can stream its blocks in (its rest, any block larger than the ring's buffers,
+    the ring); `None` when it cannot stream at all. A plan exists (`stream_plan`) for any room at least this."""
+    items, blocks, _ = _items(module)
+    return None if items is None else least_room(items, depth=DEPTH, forced=_forced(blocks))
+
+
+def stream_plan(module, room: int, uses: Optional[Dict[str, int]] = None) -> Tuple[Optional[StreamPlan], list, str]:
+    """`(plan, blocks, why not)`: how `module` streams within `room` bytes (`policies.blocks.plan_stream` over its
+    blocks, its rest kept, each block weighed by `uses`, 1 if not given); the plan is `None` when it cannot stream,
+    and `why not` says why."""
+    items, blocks, why = _items(module, uses)
+    if items is None:
+        return None, blocks, why
+    forced = _forced(blocks)
     plan = plan_stream(items, room, depth=DEPTH, forced=forced)
     if plan is None:
         least = least_room(items, depth=DEPTH, forced=forced)
@@ -76,50 +96,42 @@ def _tensors(block):
 
 
 class BlockStreams:
-    """The streaming components of `session`."""
+    """The streaming components of one pipeline.
 
-    def __init__(self, session) -> None:
-        self.session = session
+    Args:
+        record (`Callable`): The pipeline's move recorder (`Recorder.record`), told of every block move.
+    """
+
+    def __init__(self, record: Callable) -> None:
+        self.record = record
         self.active: Dict[str, BlockStreamer] = {}
         self.plans: Dict[str, StreamPlan] = {}
         self.learned: Dict[str, tuple] = {}  # name -> (block order, block uses) of its last stream
         self.said: Set[str] = set()  # components whose streaming (or failure to) was logged
 
-    def plan(self, name: str, room: int) -> Tuple[Optional[StreamPlan], list, str]:
-        """`(plan, blocks, why not)` for component `name` within `room` bytes (see `stream_plan`), weighed by the
-        uses its blocks had the last time it streamed."""
-        _, uses = self.learned.get(name, (None, {}))
-        return stream_plan(self.session.modules[name], room, uses)
-
-    def can_stream(self, name: str, room: int) -> bool:
-        """Whether component `name` can run block by block within `room` bytes (`Facts.can_stream`)."""
-        return name in self.session.modules and self.plan(name, room)[0] is not None
-
-    def start(self, name: str, room: int) -> Tuple[Optional[StreamPlan], str]:
-        """Start streaming component `name` within `room` bytes; `(plan, "")`, or `(None, why not)` with nothing
-        changed."""
-        plan, blocks, why = self.plan(name, room)
+    def start(self, name: str, module, room: int, transfer, check: bool) -> Tuple[Optional[StreamPlan], str]:
+        """Start streaming component `name` (`module`) within `room` bytes through `transfer` (`check`: fingerprint
+        its kept blocks); `(plan, "")`, or `(None, why not)` with nothing changed. Its blocks are weighed by the uses
+        they had the last time it streamed."""
+        order, uses = self.learned.get(name, (None, {}))
+        plan, blocks, why = stream_plan(module, room, uses)
         if plan is None:
             return None, why
-        session = self.session
-        module = session.modules[name]
-        transfer = session.transfer
         if transfer.pinning is not None:
             transfer.pinning.prepare(module, type(module).__name__)
-        order, uses = self.learned.get(name, (None, {}))
 
         def emit(block, direction, nbytes, kind):
-            self.record(name, block, direction, nbytes, kind)
+            self.record(name, direction, module, lambda: (nbytes, kind), block)
 
         streamer = BlockStreamer(
             module,
             blocks,
             plan,
-            session.device,
+            transfer.device,
             transfer.copier(),
             emit,
             order=order,
-            check=session.options.drops,
+            check=check,
             passes=max(uses.values()) if uses else None,
         )
         self.active[name], self.plans[name] = streamer, plan
@@ -127,12 +139,11 @@ class BlockStreams:
         transfer.record(module, True)
         return plan, ""
 
-    def begin(self, name: str, overflow) -> bool:
+    def begin(self, name: str, module, overflow, transfer, check: bool) -> bool:
         """Run component `name`, larger than the room the budget leaves it (`overflow.limit`), block by block within
-        that room (True: the caller records it on the device); where it cannot stream, load it whole (alone), with a
-        warning (False)."""
-        session = self.session
-        plan, why = self.start(name, overflow.limit)
+        that room (True: the caller records it on the device); where it cannot stream, False, with a warning: the
+        caller loads it whole (alone)."""
+        plan, why = self.start(name, module, overflow.limit, transfer, check)
         said = name in self.said
         self.said.add(name)
         if plan is not None:
@@ -144,7 +155,6 @@ class BlockStreams:
                     f"the others pass through {plan.slots} buffers of {format_size(plan.slot_bytes)} as they run."
                 )
             return True
-        session.move(name, ONLOAD)
         if not said:
             logger.warning(
                 f"`{name}` ({format_size(overflow.nbytes)}) does not fit in the memory budget left for offloaded "
@@ -153,24 +163,14 @@ class BlockStreams:
             )
         return False
 
-    def record(self, name: str, block: str, direction: str, nbytes: int, kind: str) -> None:
-        """A block of streaming component `name` moved: the ledger and the observers are told."""
-        session = self.session
-        module = session.modules[name]
-        finishers = [observer(name, direction, module) for observer in session.observers]
-        record = TransferRecord(name, direction, nbytes, session.calls.index, kind, session.calls.step, block)
-        session.ledger.append(record)
-        for finish in finishers:
-            finish(record)
-
-    def stop(self, name: str) -> None:
+    def stop(self, name: str, transfer) -> None:
         """Component `name` leaves the device: every block back on the host, what was learned kept."""
         streamer = self.active.pop(name)
         try:
             streamer.stop()
         finally:
             self._learn(name, streamer)
-            self.session.transfer.record(self.session.modules[name], False)
+            transfer.record(streamer.component, False)
 
     def abandon(self, name: str) -> None:
         """Component `name`'s weights were moved outside offload: stop streaming it where they are."""

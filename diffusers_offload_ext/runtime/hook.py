@@ -1,10 +1,13 @@
 """The offload hook: an accelerate `CpuOffload` that tells the pipeline's session a component is about to run, and
-sends the inputs to the execution device. It decides nothing itself."""
+sends the inputs to the execution device (it decides nothing itself); attaching one per hooked component, and taking
+one off."""
 
 from __future__ import annotations
 
 import torch
-from accelerate.hooks import CpuOffload, UserCpuOffloadHook, remove_hook_from_module
+from typing import Dict
+
+from accelerate.hooks import CpuOffload, UserCpuOffloadHook, add_hook_to_module, remove_hook_from_module
 from accelerate.utils import send_to_device
 
 from ..marks import HOOK_MARK, extension_hook
@@ -93,3 +96,28 @@ def in_place(values, device: torch.device, readable: bool) -> bool:
 def ours(module: torch.nn.Module):
     """The `DeferredCpuOffload` attached to `module` (alone or in accelerate's `SequentialHook`), or `None`."""
     return extension_hook(getattr(module, "_hf_hook", None))
+
+
+def attach(pipe, session) -> Dict[str, DeferredCpuOffload]:
+    """One hook on every component `session` hooks, the chain's handles linked in chain order; `pipe._all_hooks`
+    holds the handles, as stock's does. Returns the hooks by component."""
+    handles, hooks, previous = [], {}, None
+    chain = session.arrangement.chain
+    for name in session.arrangement.hooked:
+        module = session.modules[name]
+        hook = DeferredCpuOffload(session, name, session.device, prev_module_hook=previous if name in chain else None)
+        add_hook_to_module(module, hook, append=True)
+        hooks[name] = hook
+        handle = OffloadHandle(module, hook)
+        handles.append(handle)
+        if name in chain:
+            previous = handle
+    pipe._all_hooks = handles
+    return hooks
+
+
+def detach(module: torch.nn.Module, session) -> None:
+    """Take `session`'s hook off `module` (a component that left its pipeline)."""
+    hook = getattr(module, "_hf_hook", None)
+    if isinstance(hook, DeferredCpuOffload) and hook.session is session:
+        remove_hook_from_module(module)

@@ -1,4 +1,5 @@
-"""`install()` / `uninstall()`: give every `DiffusionPipeline` the extension's offload, and take it back."""
+"""How the extension's methods get onto pipeline classes: `install()` / `uninstall()` for every `DiffusionPipeline`,
+and `OffloadMixin` for one class of your own."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from typing import List, Tuple
 from diffusers import DiffusionPipeline
 from diffusers.utils import logging
 
-from ..marks import MARK
+from ..marks import ADAPTED, MARK
 from .methods import METHODS, guard_call
-from .overrides import ADAPTED, adapt
+from .overrides import adapt, own_override
 
 logger = logging.get_logger(__name__)
 
@@ -110,3 +111,37 @@ def uninstall() -> None:
     _adapted.clear()
     _installed = False
     logger.info("diffusers-offload-ext uninstalled.")
+
+
+class OffloadMixin:
+    """Put before a `DiffusionPipeline` class to get the new offload options without `install()`.
+
+    Example:
+
+    ```py
+    >>> import diffusers_offload_ext as doe
+    >>> from diffusers import FluxPipeline
+
+
+    >>> class MyFlux(doe.OffloadMixin, FluxPipeline):
+    ...     pass
+
+
+    >>> pipe = MyFlux.from_pretrained("black-forest-labs/FLUX.1-dev", torch_dtype=torch.bfloat16)
+    >>> pipe.enable_model_cpu_offload(keep_on_device_during_generation=True)
+    ```
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not issubclass(cls, DiffusionPipeline):
+            return
+        if not getattr(cls.__dict__.get("__call__"), MARK, None):
+            cls.__call__ = guard_call(cls.__call__)
+        override = own_override(cls)
+        if override is not None and "enable_model_cpu_offload" not in cls.__dict__:
+            cls.enable_model_cpu_offload = adapt(override)
+
+
+for _name, _method in METHODS.items():  # the replaced methods, on the mixin
+    setattr(OffloadMixin, _name, _method)

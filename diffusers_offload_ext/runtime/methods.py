@@ -1,45 +1,29 @@
 """The `DiffusionPipeline` methods the extension replaces or wraps: `enable_model_cpu_offload`, `remove_all_hooks`,
-`to`, `maybe_free_model_hooks`, `progress_bar`, `__setattr__`, the call guard around `__call__`, and `OffloadMixin`,
-which puts them on one pipeline class without `install()`."""
+`to`, `maybe_free_model_hooks`, `progress_bar`, `__setattr__`, and the call guard around `__call__`. Each turns a
+diffusers event into one event of the pipeline's session; the end of a call is one of them, reached once per call
+(no round trip through stock's `maybe_free_model_hooks()` and `enable_model_cpu_offload()`)."""
 
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Optional, Union
+from typing import Optional, Union
 
 import torch
-from diffusers import DiffusionPipeline
 from diffusers.utils import logging
 
 from ..calls import StepBar
 from ..layout import modules_of
-from .overrides import NEW_OPTIONS, adapt, own_override
 from ..marks import MARK, STOCK, get_session
-from .arming import (
-    arm,
-    component_left,
-    refresh_budget,
-    restore_exclusion,
-    unchanged,
-    validate,
-)
+from .arming import arm, arm_again, unchanged, refresh_budget, validate
+from .hook import detach
+from .options import docstring, signature, take
+from .session import unpin
 
 logger = logging.get_logger(__name__)
 
 
 def enable_model_cpu_offload(
-    self,
-    gpu_id: Optional[int] = None,
-    device: Union[torch.device, str, None] = None,
-    *,
-    exclude_from_offload: Union[str, Iterable[str], None] = None,
-    keep_on_device_during_generation: Union[bool, str, Iterable[str], None] = None,
-    memory_budget: Union[int, str, None] = None,
-    memory_reserve: Union[int, str, None] = None,
-    keep_on_device_between_generations: Optional[bool] = None,
-    zero_copy_eviction: Optional[bool] = None,
-    pin_memory: Union[bool, str, None] = None,
-    prefetch: Optional[bool] = None,
+    self, gpu_id: Optional[int] = None, device: Union[torch.device, str, None] = None, **options
 ) -> None:
     r"""
     Offloads all models to the CPU and moves one model at a time to the accelerator when it runs, like diffusers'
@@ -53,47 +37,7 @@ def enable_model_cpu_offload(
             The ID of the accelerator that shall be used in inference. Defaults to the ID set before, or 0.
         device (`torch.device` or `str`, *optional*, defaults to `None`):
             The device to run on. Defaults to the device set by the previous call, or the available accelerator.
-        exclude_from_offload (`str` or `List[str]`, *optional*, defaults to `None`):
-            Components moved to the execution device once and never offloaded (no hook, not moved at the end of a
-            call). They are removed from the `model_cpu_offload_seq` chain.
-        keep_on_device_during_generation (`bool`, `str` or `List[str]`, *optional*, defaults to `None`):
-            Components (`True`: all of them) that, once on the device, stay there until the pipeline call ends,
-            instead of being evicted when the next model of the chain runs (for example when a step callback
-            decodes a preview with the VAE). At the end of the call everything goes back to the CPU, as in stock.
-        memory_budget (`int` or `str`, *optional*, defaults to `None`):
-            Turns on the residency manager with an upper bound on the bytes of component weights (parameters and
-            buffers) kept on the execution device at any time, excluded components included: bytes (`int`) or a
-            size with a unit (`"20GiB"`, `"12GB"`, `"512MiB"`, `"1.5 GiB"`; `GB` = 10**9 bytes, `GiB` = 2**30).
-            Components move to the device when they run; when one does not fit, the resident components that are
-            not running and that the access trace of the previous call needs least are evicted. A component larger
-            than the whole budget runs alone (one warning). `"auto"` clears a budget set before: the manager then
-            uses the automatic budget (with `keep_on_device_between_generations=True`) or is off.
-        memory_reserve (`int` or `str`, *optional*, defaults to `"3GiB"`):
-            Only for the automatic budget on CUDA (no `memory_budget`, `keep_on_device_between_generations=True`):
-            the budget is the free device memory at enable time plus the weights the pipeline already holds there,
-            minus this reserve for activations. On other devices the automatic budget is unlimited.
-        keep_on_device_between_generations (`bool`, *optional*, defaults to `False`):
-            Turns on the residency manager and keeps components on the device at the end of a call (within the
-            budget), so that the next call does not upload them again. `diffusers_offload_ext.release(pipe)`
-            evicts them explicitly.
-        zero_copy_eviction (`bool`, *optional*):
-            Keep the host copy of each component's weights while it is on the device, so that an eviction only drops
-            the device copy (no device-to-host copy; host memory stays at stock's peak, all weights on the host). A
-            change made while on the device (in-place edits, replaced tensors, LoRA fusing) is detected and copied
-            back. Not set: on with the residency manager, off otherwise. `True`: in every mode, the defaults and
-            `exclude_from_offload`/`keep_on_device_during_generation` included (which component moves when does not
-            change; opt-in until measured on a GPU). `False`: every eviction copies, like stock.
-        pin_memory (`bool` or `"auto"`, *optional*, defaults to `False`):
-            Page-lock the host copies of offloaded components in place (no second copy, exact size, within a host
-            budget of half the host's memory, a quarter on Windows; spent first on the components that move most),
-            so that onloads copy at page-locked speed. `"auto"`: where the device supports it (CUDA); `True`: raise
-            where it does not. The host copies are kept while components are on the device, and an eviction that
-            must copy writes into them. Opt-in until measured on a GPU.
-        prefetch (`bool`, *optional*, defaults to `False`):
-            With the residency manager: while a component runs, start the onload of the one the previous call ran
-            next, on a CUDA copy stream, when the budget has room for both (counted from that moment); the compute
-            stream waits for it before that component runs. Elsewhere onloads stay as they are. Opt-in until
-            measured on a GPU.
+        {options}
 
     Raises:
         `TypeError`: an argument of the wrong type.
@@ -119,13 +63,18 @@ def enable_model_cpu_offload(
     >>> images = [pipe(prompt).images[0] for prompt in ["a red cat", "a blue dog"]]
     ```
     """
+
+    arguments = take("enable_model_cpu_offload", options)
     session = get_session(self)
-    arguments = {name: value for name, value in locals().items() if name in NEW_OPTIONS}
     if session is not None and all(v is None for v in arguments.values()) and unchanged(self, session, gpu_id, device):
         refresh_budget(session)
-        session.end_of_call()
-        return
-    arm(self, validate(self, session, gpu_id, device, **arguments))
+    else:
+        session = arm(self, validate(self, session, gpu_id, device, **arguments))
+    session.rearm()
+
+
+enable_model_cpu_offload.__signature__ = signature(enable_model_cpu_offload)
+enable_model_cpu_offload.__doc__ = docstring(enable_model_cpu_offload)
 
 
 def remove_all_hooks(self) -> None:
@@ -134,14 +83,13 @@ def remove_all_hooks(self) -> None:
     this extension's instance-level `_exclude_from_cpu_offload`. Components stay where they are.
     """
     session = get_session(self)
-    if session is not None and session.transfer is not None:
-        session.transfer.flush()
-        session.stop_streams()  # a component half on the device could not run without its hooks
+    if session is not None:
+        session.stop_moving()  # a component half on the device could not run without its hooks
     STOCK["remove_all_hooks"](self)
     if session is not None:
-        session.active = False
-        restore_exclusion(self, session)
-        session.unpin(session.modules.values())
+        session.disarm()
+        session.exclusion.restore(self)
+        unpin(session.device, session.modules.values())
 
 
 def to(self, *args, **kwargs):
@@ -164,17 +112,42 @@ def to(self, *args, **kwargs):
 
 def maybe_free_model_hooks(self) -> None:
     r"""
-    Stock's `maybe_free_model_hooks`: offload is armed again at the end of a call. With the extension, this is the
-    end-of-call event: when nothing changed, hooks and policy stay and only the policy's moves are made.
+    Stock's `maybe_free_model_hooks`: the end of a call. With the extension, the session's end-of-call event (inside a
+    call, once); outside a call, offload is armed again as stock does. When nothing changed, hooks and policy stay
+    and only the policy's moves are made.
     """
     session = get_session(self)
-    if session is None:
+    if session is None or not session.active:
         return STOCK["maybe_free_model_hooks"](self)
-    session.ending += 1
+    if session.calls.in_call and not session.calls.ended:
+        return _end_of_call(self, session, failed=False)
+    _reset_stateful_hooks(self)
+    if getattr(self, "_all_hooks", None):
+        arm_again(self, session, device=getattr(self, "_offload_device", None))
+        session.rearm()
+
+
+def _end_of_call(pipe, session, failed: bool) -> None:
+    """The end of the call in progress: what stock's `maybe_free_model_hooks()` does first (its stateful hooks reset,
+    the pipeline armed again where it changed), then the session's end of call, with the failure."""
     try:
-        return STOCK["maybe_free_model_hooks"](self)
-    finally:
-        session.ending -= 1
+        _reset_stateful_hooks(pipe)
+        if getattr(pipe, "_all_hooks", None):
+            arm_again(pipe, session, device=getattr(pipe, "_offload_device", None))
+        session.end_of_call(failed)
+    except Exception:
+        if not failed:
+            raise
+        logger.exception("The end-of-call offload after a failed pipeline call failed too.")
+
+
+def _reset_stateful_hooks(pipe) -> None:
+    """Diffusers' stateful hooks (caches kept across the steps of one call) start afresh, as stock's
+    `maybe_free_model_hooks()` has them at every call's end."""
+    for component in pipe.components.values():
+        reset = getattr(component, "_reset_stateful_cache", None)
+        if reset is not None:
+            reset()
 
 
 def progress_bar(self, iterable=None, total=None):
@@ -193,12 +166,15 @@ def __setattr__(self, name, value):
     old = self.__dict__.get(name) if session is not None else None
     STOCK["__setattr__"](self, name, value)
     if old is not None and old is not value and isinstance(old, torch.nn.Module) and session.name_of(old) == name:
-        component_left(self, session, name, old)
+        # The component was replaced or unregistered: its hook goes, and it leaves the device unless another armed
+        # pipeline holds it. The pipeline is armed again at its next call.
+        detach(old, session)
+        session.component_left(name, old)
 
 
 def guard_call(call):
     """Wrap a pipeline `__call__`: the call is tracked, a pipeline whose components changed is armed again first, and
-    a call that raises still ends with the end-of-call offload."""
+    a call that returns or raises without its end-of-call offload gets it, told whether it failed."""
 
     @functools.wraps(call)
     def guarded(self, *args, **kwargs):
@@ -211,24 +187,16 @@ def guard_call(call):
         failed = True
         try:
             result = call(self, *args, **kwargs)
-            if session.active and session.calls.depth == 1 and not session.calls.ended:
-                # A pipeline that ends without `maybe_free_model_hooks()` (a combined pipeline armed whole: its
-                # sub-pipelines' own end-of-call offload has no hooks to re-arm) gets the end-of-call offload.
-                self.maybe_free_model_hooks()
             failed = False
             return result
-        except BaseException:
-            if session.calls.depth == 1 and session.active:
-                session.failing = True
-                try:
-                    self.maybe_free_model_hooks()
-                except Exception:  # the original error matters more
-                    logger.exception("The end-of-call offload after a failed pipeline call failed too.")
-                finally:
-                    session.failing = False
-            raise
         finally:
-            session.end_call(failed)
+            try:
+                if session.active and session.calls.depth == 1 and not session.calls.ended:
+                    # A pipeline that raised, or ended without `maybe_free_model_hooks()` (a combined pipeline armed
+                    # whole: its sub-pipelines' own end-of-call offload has no hooks to re-arm).
+                    _end_of_call(self, session, failed)
+            finally:
+                session.leave_call(failed)
 
     setattr(guarded, MARK, call)
     return guarded
@@ -248,40 +216,3 @@ METHODS = {
     "progress_bar": progress_bar,
     "__setattr__": __setattr__,
 }
-
-
-class OffloadMixin:
-    """Put before a `DiffusionPipeline` class to get the new offload options without `install()`.
-
-    Example:
-
-    ```py
-    >>> import diffusers_offload_ext as doe
-    >>> from diffusers import FluxPipeline
-
-
-    >>> class MyFlux(doe.OffloadMixin, FluxPipeline):
-    ...     pass
-
-
-    >>> pipe = MyFlux.from_pretrained("black-forest-labs/FLUX.1-dev", torch_dtype=torch.bfloat16)
-    >>> pipe.enable_model_cpu_offload(keep_on_device_during_generation=True)
-    ```
-    """
-
-    enable_model_cpu_offload = enable_model_cpu_offload
-    remove_all_hooks = remove_all_hooks
-    to = to
-    maybe_free_model_hooks = maybe_free_model_hooks
-    progress_bar = progress_bar
-    __setattr__ = __setattr__
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if not issubclass(cls, DiffusionPipeline):
-            return
-        if not getattr(cls.__dict__.get("__call__"), MARK, None):
-            cls.__call__ = guard_call(cls.__call__)
-        override = own_override(cls)
-        if override is not None and "enable_model_cpu_offload" not in cls.__dict__:
-            cls.enable_model_cpu_offload = adapt(override)

@@ -1,33 +1,151 @@
-"""The options of `enable_model_cpu_offload`: validation (before anything changes), normalisation, the sticky merge,
-the execution device and the memory budget."""
+"""The options of `enable_model_cpu_offload`, in one table (`OPTIONS`: name, type, default, validation, sticky merge,
+docs), the options in force (`OffloadOptions`), and what is made from the table: the merge of new arguments with
+the options in force, the signature of the extended method and of the overrides' adapter, their docstring's
+arguments, and the README's options table.
+
+Adding an option: one `Option` row here (its validator and merge in `validation.py` when none fits), its field in
+`OffloadOptions`, and its behaviour; `tools/options_table.py --write` writes the README's table again.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
-from collections.abc import Iterable, Mapping
-from typing import Any, Optional, Tuple, Union
-
-import torch
-from diffusers.utils import logging
-
+import inspect
+import textwrap
+from collections.abc import Mapping
+from typing import Iterable
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from ..constants import DEFAULT_RESERVE
-from ..transfer import memory
-from ..layout import modules_of
-from ..units import MAX_BYTES, UNIT_NAMES, SizeError, format_size, parse_size
-from .transfer_options import how_bytes_move
+from . import validation as check
 
-EXCLUDE = "exclude_from_offload"
-KEEP = "keep_on_device_during_generation"
-BUDGET = "memory_budget"
-RESERVE = "memory_reserve"
-KEEP_BETWEEN = "keep_on_device_between_generations"
-ZERO_COPY = "zero_copy_eviction"
-#: `memory_budget="auto"` clears an explicit budget (the automatic one applies again).
-AUTO = "auto"
 
-logger = logging.get_logger(__name__)
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One keyword-only option of `enable_model_cpu_offload`.
+
+    Args:
+        name (`str`): The keyword.
+        annotation (`Any`): Its type in the signature (always with `None`: the value set before stays).
+        types (`str`): Its types, as the docstring says them.
+        default (`str`): What is in force before it is ever given, as the docs say it.
+        validate (`Callable`): `(name, value, components) -> normalised value`; raises before anything changes.
+        merge (`Callable`): `(option, options in force, value or validation.KEEP, components, fields so far) ->
+            {OffloadOptions field: value}`: the sticky merge.
+        field (`str`): The `OffloadOptions` field it sets.
+        values (`str`): What it accepts, for the README's table.
+        summary (`str`): What it does, in one line, for the README's table.
+        doc (`str`): What it does, for the method's docstring.
+    """
+
+    name: str
+    annotation: Any
+    types: str
+    default: str
+    validate: Callable
+    merge: Callable
+    field: str
+    values: str
+    summary: str
+    doc: str
+
+
+NAMES = Union[str, Iterable[str], None]
+SIZE = Union[int, str, None]
+
+#: Every option, in the signature's order.
+OPTIONS: Tuple[Option, ...] = (
+    Option(
+        "exclude_from_offload", NAMES, "`str` or `List[str]`", "`None`", check.excluded_names, check.present_names,
+        field="exclude_from_offload",
+        values="a component name or a list of them",
+        summary="Moved to the execution device once, never offloaded; out of the `model_cpu_offload_seq` chain.",
+        doc="""Components moved to the execution device once and never offloaded (no hook, not moved at the end of a
+            call). They are removed from the `model_cpu_offload_seq` chain.""",
+    ),
+    Option(
+        "keep_on_device_during_generation", Union[bool, str, Iterable[str], None], "`bool`, `str` or `List[str]`",
+        "`None`", check.all_or_names, check.all_or_present_names,
+        field="keep",
+        values="`True`, `False`, a component name or a list of them",
+        summary="Not evicted by the chain until the call ends. No effect (a warning says so) with the manager on.",
+        doc="""Components (`True`: all of them) that, once on the device, stay there until the pipeline call ends,
+            instead of being evicted when the next model of the chain runs (for example when a step callback
+            decodes a preview with the VAE). At the end of the call everything goes back to the CPU, as in stock.
+            With the residency manager on it has no effect (the manager evicts only to make room; a warning says
+            so, and `doe.offload_status` reports no component as `"kept"`); it stays in force for when it is off.""",
+    ),
+    Option(
+        "memory_budget", SIZE, "`int` or `str`", "`None`", check.size_or_auto, check.replace,
+        field="memory_budget",
+        values='`int` bytes, a size (`"20GiB"`, `"12GB"`, `"512MiB"`, `"1.5 GiB"`), `"auto"`',
+        summary="Turns the residency manager on: the most bytes of weights on the device, excluded ones included. "
+        '`"auto"` clears it.',
+        doc="""Turns on the residency manager with an upper bound on the bytes of component weights (parameters and
+            buffers) kept on the execution device at any time, excluded components included: bytes (`int`) or a
+            size with a unit (`"20GiB"`, `"12GB"`, `"512MiB"`, `"1.5 GiB"`; `GB` = 10**9 bytes, `GiB` = 2**30).
+            Components move to the device when they run; when one does not fit, the resident components that are
+            not running and that the access trace of the previous call needs least are evicted. A component larger
+            than the whole budget runs alone (one warning). `"auto"` clears a budget set before: the manager then
+            uses the automatic budget (with `keep_on_device_between_generations=True`) or is off.""",
+    ),
+    Option(
+        "memory_reserve", SIZE, "`int` or `str`", '`"3GiB"`', check.reserve, check.replace,
+        field="memory_reserve",
+        values="`int` bytes or a size",
+        summary="Only for the automatic budget on CUDA: left free for activations.",
+        doc="""Only for the automatic budget on CUDA (no `memory_budget`, `keep_on_device_between_generations=True`):
+            the budget is the free device memory at enable time plus the weights the pipeline already holds there,
+            minus this reserve for activations. On other devices the automatic budget is unlimited.""",
+    ),
+    Option(
+        "keep_on_device_between_generations", Optional[bool], "`bool`", "`False`", check.flag, check.replace,
+        field="keep_between",
+        values="`bool`",
+        summary="Turns the residency manager on; the end of a call keeps components on the device (within the budget).",
+        doc="""Turns on the residency manager and keeps components on the device at the end of a call (within the
+            budget), so that the next call does not upload them again. `diffusers_offload_ext.release(pipe)`
+            evicts them explicitly.""",
+    ),
+    Option(
+        "zero_copy_eviction", Optional[bool], "`bool`", "not set: on with the residency manager only", check.flag,
+        check.replace,
+        field="zero_copy",
+        values="`bool`",
+        summary="Evictions of unchanged components drop the device copy instead of copying back.",
+        doc="""Keep the host copy of each component's weights while it is on the device, so that an eviction only drops
+            the device copy (no device-to-host copy; host memory stays at stock's peak, all weights on the host). A
+            change made while on the device (in-place edits, replaced tensors, LoRA fusing) is detected and copied
+            back. Not set: on with the residency manager, off otherwise. `True`: in every mode, the defaults and
+            `exclude_from_offload`/`keep_on_device_during_generation` included (which component moves when does not
+            change; opt-in until measured on a GPU). `False`: every eviction copies, like stock.""",
+    ),
+    Option(
+        "pin_memory", Union[bool, str, None], '`bool` or `"auto"`', "`False`", check.bool_or_auto, check.replace,
+        field="pin_memory",
+        values='`bool` or `"auto"`',
+        summary='Page-lock the host copies in place. `"auto"`: where the device supports it (CUDA); `True` raises '
+        "elsewhere.",
+        doc="""Page-lock the host copies of offloaded components in place (no second copy, exact size, within a host
+            budget of half the host's memory, a quarter on Windows; spent first on the components that move most),
+            so that onloads copy at page-locked speed. `"auto"`: where the device supports it (CUDA); `True`: raise
+            where it does not. The host copies are kept while components are on the device, and an eviction that
+            must copy writes into them. Opt-in until measured on a GPU.""",
+    ),
+    Option(
+        "prefetch", Optional[bool], "`bool`", "`False`", check.flag, check.with_residency,
+        field="prefetch",
+        values="`bool`",
+        summary="With the manager on: the next predicted component's onload starts while the current one runs, on a "
+        "CUDA copy stream.",
+        doc="""With the residency manager: while a component runs, start the onload of the one the previous call ran
+            next, on a CUDA copy stream, when the budget has room for both (counted from that moment); the compute
+            stream waits for it before that component runs. Elsewhere onloads stay as they are. Opt-in until
+            measured on a GPU.""",
+    ),
+)  # fmt: skip
+#: The option names, in the signature's order.
+NEW_OPTIONS = tuple(option.name for option in OPTIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,188 +186,69 @@ class OffloadOptions:
         every mode; when it was never set, with the residency manager only."""
         return self.residency if self.zero_copy is None else self.zero_copy
 
+    @property
+    def keeps_nothing(self) -> bool:
+        """`keep_on_device_during_generation` is in force but means nothing: the residency manager is on."""
+        return self.residency and (self.keep_all or bool(self.keep))
+
     def kept(self, offloaded: Iterable[str]) -> frozenset:
-        """The names among `offloaded` that the chain must not evict."""
+        """The names among `offloaded` that the chain must not evict (none with the residency manager on: it evicts
+        only to make room)."""
+        if self.residency:
+            return frozenset()
         offloaded = list(offloaded)
         return frozenset(offloaded) if self.keep_all else frozenset(n for n in self.keep if n in offloaded)
 
 
-def _names(argument: str, value: Any, components: Mapping[str, Any]) -> Tuple[str, ...]:
-    """Validate a str or an iterable of component names; return them in order, each once."""
-    if isinstance(value, str):
-        names = [value]
-    elif isinstance(value, (bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
-        raise TypeError(
-            f"`{argument}` must be a component name (str) or a list of component names, got {value!r} "
-            f"of type {type(value).__name__}."
-        )
-    else:
-        names = list(value)
-        wrong = [name for name in names if not isinstance(name, str)]
-        if wrong:
-            raise TypeError(f"`{argument}` must contain only component names (str), got {wrong!r} in {names!r}.")
-    valid = list(modules_of(components, movable=False))
-    unknown = [name for name in names if name not in components]
-    if unknown:
-        raise ValueError(
-            f"`{argument}` names unknown components {unknown!r}. Valid component names are {valid!r}: "
-            f"pass only those."
-        )
-    not_modules = [name for name in names if not isinstance(components[name], torch.nn.Module)]
-    if not_modules:
-        kinds = {name: type(components[name]).__name__ for name in not_modules}
-        raise ValueError(
-            f"`{argument}` names components that are not `torch.nn.Module`s ({kinds!r}), so there is nothing to "
-            f"offload or keep. Valid component names are {valid!r}."
-        )
-    return tuple(dict.fromkeys(names))
-
-
-def _size(argument: str, value: Any, example: str) -> int:
-    """Validate a size: an int of bytes or a str with a unit; bounded, parsed in constant time."""
-    if isinstance(value, bool):
-        raise ValueError(
-            f"`{argument}` must be a size in bytes, not a bool: got {value!r}. Pass an int of bytes or a str with a "
-            f"unit, for example `{argument}={example!r}`."
-        )
-    if isinstance(value, numbers.Integral):
-        nbytes = int(value)
-        if nbytes > MAX_BYTES:
-            raise ValueError(
-                f"`{argument}`={value!r} is too large: more than {format_size(MAX_BYTES)}. Pass the size of the "
-                f"device memory to use, for example `{argument}={example!r}`."
-            )
-    elif isinstance(value, str):
-        try:
-            nbytes = parse_size(value)
-        except SizeError as error:
-            raise ValueError(
-                f"`{argument}`={error.text!r} is {error.reason}. Pass an int of bytes or a number with a unit "
-                f"({UNIT_NAMES}; KB, MB, GB, TB are powers of 1000), for example `{argument}={example!r}`."
-            ) from None
-    else:
-        raise TypeError(
-            f"`{argument}` must be an int (bytes), a str with a unit such as {example!r}, or None, got {value!r} of "
-            f"type {type(value).__name__}."
-        )
-    if nbytes < 0:
-        raise ValueError(f"`{argument}` must not be negative, got {value!r}. Pass for example {example!r}.")
-    return nbytes
-
-
-def _flag(argument: str, value: Any, previous: Optional[bool]) -> Optional[bool]:
-    if value is None:
-        return previous
-    if not isinstance(value, bool):
-        raise TypeError(f"`{argument}` must be True, False or None (keep the value set before), got {value!r}.")
-    return value
-
-
-def resolve_options(
-    previous: OffloadOptions,
-    components: Mapping[str, Any],
-    exclude_from_offload: Any = None,
-    keep_on_device_during_generation: Any = None,
-    *,
-    memory_budget: Any = None,
-    memory_reserve: Any = None,
-    keep_on_device_between_generations: Any = None,
-    zero_copy_eviction: Any = None,
-    pin_memory: Any = None,
-    prefetch: Any = None,
-) -> OffloadOptions:
-    """Validate the new arguments and merge them with the ones in force (`None` keeps what was set before).
+def resolve_options(previous: OffloadOptions, components: Mapping[str, Any], **arguments: Any) -> OffloadOptions:
+    """Validate the new arguments (every one, in the table's order, before anything changes), then merge them with
+    the options in force (`None` keeps what was set before).
 
     Raises:
         `TypeError`: an argument of the wrong type.
         `ValueError`: a name that is not a component, or whose component is not a `torch.nn.Module`; a size that does
-            not parse, is negative or is a bool.
+            not parse, is negative or is a bool; an option that needs the residency manager without it.
     """
-    if memory_budget is None:
-        budget = previous.memory_budget
-    elif isinstance(memory_budget, str) and memory_budget.strip().lower() == AUTO:
-        budget = None
-    else:
-        budget = _size(BUDGET, memory_budget, "20GiB")
-    reserve = previous.memory_reserve if memory_reserve is None else _size(RESERVE, memory_reserve, "3GiB")
-    keep_between = _flag(KEEP_BETWEEN, keep_on_device_between_generations, previous.keep_between)
-    zero_copy = _flag(ZERO_COPY, zero_copy_eviction, previous.zero_copy)
-    residency = dict(memory_budget=budget, memory_reserve=reserve, keep_between=keep_between, zero_copy=zero_copy)
-    residency.update(how_bytes_move(previous, pin_memory, prefetch, budget is not None or keep_between))
-
-    if exclude_from_offload is None:
-        exclude = tuple(n for n in previous.exclude_from_offload if isinstance(components.get(n), torch.nn.Module))
-    elif isinstance(exclude_from_offload, bool):
-        raise TypeError(
-            f"`{EXCLUDE}` must be a component name (str) or a list of component names, got {exclude_from_offload!r}. "
-            f"Pass `[]` to offload every component."
-        )
-    else:
-        exclude = _names(EXCLUDE, exclude_from_offload, components)
-
-    if keep_on_device_during_generation is None:
-        keep_all = previous.keep_all
-        keep = tuple(n for n in previous.keep if isinstance(components.get(n), torch.nn.Module))
-    elif isinstance(keep_on_device_during_generation, bool):
-        keep_all, keep = keep_on_device_during_generation, ()
-    else:
-        keep_all, keep = False, _names(KEEP, keep_on_device_during_generation, components)
-    return OffloadOptions(exclude_from_offload=exclude, keep_all=keep_all, keep=keep, **residency)
+    values = {}
+    for option in OPTIONS:
+        value = arguments.get(option.name)
+        values[option.name] = check.KEEP if value is None else option.validate(option.name, value, components)
+    fields: Dict[str, Any] = {}
+    for option in OPTIONS:
+        fields.update(option.merge(option, previous, values[option.name], components, fields))
+    return OffloadOptions(**fields)
 
 
-#: The automatic budget is rounded down to this, so that small changes of free memory do not change the plan.
-AUTO_BUDGET_STEP = 256 << 20
+def take(method: str, given: Mapping[str, Any]) -> Dict[str, Any]:
+    """The options among keyword arguments `given` to `method`; a name that is none raises as Python would."""
+    unknown = [name for name in given if name not in NEW_OPTIONS]
+    if unknown:
+        raise TypeError(f"{method}() got an unexpected keyword argument {unknown[0]!r}")
+    return dict(given)
 
 
-def resolve_budget(
-    options: OffloadOptions,
-    device: torch.device,
-    stays: Mapping[str, int],
-    held_bytes: int,
-) -> Tuple[Optional[int], bool]:
-    """The memory budget in force for the residency manager, checked against what must stay on the device.
+def signature(function: Callable) -> inspect.Signature:
+    """`function`'s signature (`self`, `gpu_id`, `device`, `**options`) with one keyword-only parameter per option."""
+    parameters = [p for p in inspect.signature(function).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    options = [
+        inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=o.annotation)
+        for o in OPTIONS
+    ]
+    return inspect.Signature(parameters + options, return_annotation=None)
 
-    Args:
-        options (`OffloadOptions`): The options in force.
-        device (`torch.device`): The execution device.
-        stays (`Mapping[str, int]`): Bytes of each component that never leaves the device (excluded ones, and the
-            class's round trips).
-        held_bytes (`int`): Bytes of the pipeline's weights already on `device` (free memory does not count them).
 
-    Returns:
-        `(Optional[int], bool)`: the budget in bytes (`None`: unlimited) and whether it is the automatic one.
+def docstring(function: Callable) -> str:
+    """`function`'s docstring with its `{options}` line replaced by the options' argument entries."""
+    entries = []
+    for option in OPTIONS:
+        entries.append(f"        {option.name} ({option.types}, *optional*, defaults to {option.default}):")
+        entries.append(textwrap.indent(textwrap.dedent("    " * 3 + option.doc), " " * 12))
+    return function.__doc__.replace("        {options}", "\n".join(entries))
 
-    Raises:
-        `ValueError`: `memory_reserve` larger than the device, or the excluded components alone larger than an explicit
-            `memory_budget`.
-    """
-    total = memory.total_bytes(device)
-    reserve = options.memory_reserve
-    if total is not None and reserve > total:
-        raise ValueError(
-            f"`{RESERVE}` is {format_size(reserve)} ({reserve} bytes), more than the whole device {device} has "
-            f"({format_size(total)}). Pass a smaller reserve, for example `{RESERVE}='3GiB'`, or an explicit "
-            f"`{BUDGET}`."
-        )
-    stays_bytes = sum(stays.values())
-    if options.memory_budget is not None:
-        budget = options.memory_budget
-        if stays_bytes > budget:
-            raise ValueError(
-                f"The components that never leave the device ({sorted(stays)!r}, {stays_bytes} bytes = "
-                f"{format_size(stays_bytes)}) alone exceed `{BUDGET}`={budget!r} ({format_size(budget)}). Pass a "
-                f"`{BUDGET}` of at least {stays_bytes} bytes, or leave some of them out of `{EXCLUDE}`."
-            )
-        return budget, False
-    free = memory.free_bytes(device)
-    if free is None:
-        return None, True
-    budget = max((free + held_bytes - reserve) // AUTO_BUDGET_STEP * AUTO_BUDGET_STEP, 0)
-    if stays_bytes > budget:
-        logger.warning(
-            f"The components that never leave the device ({sorted(stays)!r}, {format_size(stays_bytes)}) exceed the "
-            f"automatic memory budget ({format_size(budget)}: free memory on {device} plus what the pipeline holds "
-            f"there, minus `{RESERVE}`={format_size(reserve)}). Every other component will run alone."
-        )
-        budget = stays_bytes
-    return budget, True
+
+def markdown_table() -> str:
+    """The README's options table."""
+    lines = ["| option | values | default | what it does |", "| --- | --- | --- | --- |"]
+    for option in OPTIONS:
+        lines.append(f"| `{option.name}` | {option.values} | {option.default} | {option.summary} |")
+    return "\n".join(lines)

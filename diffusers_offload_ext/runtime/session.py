@@ -1,137 +1,206 @@
-"""`Session`: what the extension does for one pipeline. It tracks the calls, knows the armed components and which are
-on the device (the tensors say, where they can), asks the policy at every event, has the transfer carry the decision
-out, and reports each move to the ledger and other observers."""
+"""`Session`: one pipeline's offload state, owned here and written nowhere else. Events come in (offload armed, a call
+begins or ends, a component is about to run, a release, a component left, weights moved from outside); the policy
+is asked; the transfer carries the decision out; every move is recorded once, in the ledger and to the observers."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Callable, Dict, Iterator, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from diffusers.utils import logging
 
 from ..calls import CallTracker
 from ..constants import OFFLOAD, ONLOAD, PREFETCH, STREAM
-from ..ledger import TransferLedger, TransferRecord
+from ..ledger import Recorder
+from ..marks import SESSION_ATTR, get_session
 from ..policies import NOTHING, Decision, Facts, Policy
-from ..transfer import MIXED, ON_DEVICE, ON_HOST, Transfer, pinned
-from ..transfer.streaming import intact
+from ..transfer import COPY_STREAMS, Transfer, make_transfer, pinned
 from . import sharing
-from .block_streams import BlockStreams
+from .exclusion import Exclusion
 from .options import OffloadOptions
+from .placement import Placement, Sizes
 
 logger = logging.get_logger(__name__)
-
-
-class Sizes(Mapping):
-    """Current bytes of a session's components, read from the book (a changed component is re-read lazily)."""
-
-    def __init__(self, session: "Session") -> None:
-        self._session = session
-
-    def __getitem__(self, name: str) -> int:
-        session = self._session
-        entry = session.entries[name]
-        if entry.dirty:
-            session.transfer.book.refresh(session.modules[name], entry)
-        return entry.nbytes
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._session.entries)
-
-    def __len__(self) -> int:
-        return len(self._session.entries)
 
 
 class Session:
     """Everything the extension knows and does for one pipeline (`doe.offload_status(pipe)` shows it read-only).
 
     Attributes:
-        calls (`CallTracker`): The pipeline's calls.
-        ledger (`TransferLedger`): Every move made for this pipeline.
-        observers (`List[Callable]`): `(component, direction, module) -> finish(record)`, told about every move.
-        options (`OffloadOptions`): The options in force.
-        device (`torch.device` or `None`): The execution device.
-        transfer (`Transfer` or `None`): How this pipeline's components move.
-        policy (`Policy` or `None`): Which component moves when.
-        modules (`Dict[str, torch.nn.Module]`): The armed components, in the pipeline's order.
-        resident (`Set[str]`): Components on the execution device (a streaming one counts: it runs there).
-        streams (`BlockStreams`): The components that stream their blocks (larger than the room left them).
-        active (`bool`): Offload is enabled (hooks armed).
+        calls (`CallTracker`): The pipeline's calls. `recorder` (`Recorder`): its `ledger` and `observers`.
+        arming (`Arming` or `None`): What offload is armed with (`options`, `device`, `layout`, `arrangement`,
+            `budget`). `transfer` (`Transfer` or `None`): how the components move.
+        policy (`Policy` or `None`): Which component moves when; `facts` (`Facts`): what it is told with each event.
+        placement (`Placement`): The armed components and where they are (`modules`, `entries`, `resident`,
+            `streams`). `hooks`: the hooks armed, by component; `active` (`bool`): they are.
+        exclusion (`Exclusion`): The `_exclude_from_cpu_offload` set on the pipeline, and what it replaced.
     """
 
     def __init__(self) -> None:
         self.calls = CallTracker()
-        self.ledger = TransferLedger()
-        self.observers: List[Callable] = []
-        self.options = OffloadOptions()
-        self.device: Optional[torch.device] = None
+        self.recorder = Recorder(self.calls)
+        self.arming = None
         self.transfer: Optional[Transfer] = None
         self.policy: Optional[Policy] = None
-        self.arming = None
-        self.layout = None
-        self.arrangement = None
-        self.modules: Dict[str, torch.nn.Module] = {}
-        self.entries: Dict = {}
+        self.placement = Placement(self.recorder.record)
+        self.facts = Facts(Sizes(self.placement, None), stream_rooms=self.placement.stream_rooms)
         self.hooks: Dict[str, object] = {}
-        self.resident: Set[str] = set()
+        self.exclusion = Exclusion()
+        #: The residency policies' value tables, kept across the policies of this pipeline.
+        self.forecasts: dict = {}
         self.active = False
-        #: Whether the tensors say where they are (the transfer's `readable`, kept here for the hot path).
-        self.readable = False
-        self.budget: Optional[int] = None
-        self.auto_budget = False
-        self.saved_exclusion = None
-        #: Sub-pipelines' `_exclude_from_cpu_offload` as they were before a combined pipeline mirrored its own.
-        self.sub_exclusions: list = []
-        self.plan_cache: dict = {}
-        self.ending = 0
-        self.failing = False
-        self.streams = BlockStreams(self)
-        self.facts = Facts(Sizes(self), can_stream=self.streams.can_stream)
-        self._names: Dict[int, str] = {}
+
+    # -- read through ----------------------------------------------------------------------------------------------
+    ledger = property(lambda self: self.recorder.ledger)
+    observers = property(lambda self: self.recorder.observers)
+    options = property(lambda self: self.arming.options if self.arming is not None else OffloadOptions())
+    device = property(lambda self: self.arming.device if self.arming is not None else None)
+    layout = property(lambda self: self.arming.layout if self.arming is not None else None)
+    arrangement = property(lambda self: self.arming.arrangement if self.arming is not None else None)
+    budget = property(lambda self: self.arming.budget if self.arming is not None else None)
+    modules = property(lambda self: self.placement.modules)
+    entries = property(lambda self: self.placement.entries)
+    resident = property(lambda self: self.placement.resident)
+    readable = property(lambda self: self.placement.readable)
+    streams = property(lambda self: self.placement.streams)
 
     def name_of(self, module: torch.nn.Module) -> Optional[str]:
         """The component name of `module` in this pipeline, or `None`."""
-        name = self._names.get(id(module))
-        return name if name is not None and self.modules.get(name) is module else None
+        return self.placement.name_of(module)
 
-    # -- the hot path: a hooked component is about to run ---------------------------------------------------------
+    # -- arming -------------------------------------------------------------------------------------------------------
+    def adopt(self, arming, modules: Dict[str, torch.nn.Module]) -> None:
+        """Take `arming` (`arming.py`) over `modules`, the components as they are now: the transfer, where each one is,
+        the stream rooms. Then come the policy (`decide_with`), the hooks (`armed`), the moves (`rearm`...)."""
+        self.stop_moving()
+        self.transfer = _transfer_for(self, arming)
+        stays = set(arming.arrangement.excluded) | set(arming.arrangement.round_trip)
+        going = [m for n, m in self.modules.items() if modules.get(n) is not m or n in stays]
+        unpin(self.device, going if self.transfer.pinning is not None else self.modules.values())  # the old device's
+        self.arming = arming
+        for name in self.placement.take(modules, self.transfer, holder=self):
+            self.move(name, OFFLOAD)  # on another accelerator (the device changed): home first
+        self.placement.keep_host_copies(self.transfer, arming.options.drops, arming.arrangement.excluded)
+        self.placement.measure_streams(list(arming.arrangement.hooked) if arming.options.residency else [])
+
+    def decide_with(self, policy: Policy, capacity: Optional[Callable] = None, arming=None) -> None:
+        """`policy` decides from now on, told the facts (sizes, the device's `capacity`, the stream rooms); `arming`
+        replaces the one in force (the automatic budget changed)."""
+        self.arming = arming or self.arming
+        self.policy = policy
+        self.facts = Facts(Sizes(self.placement, self.transfer), capacity, self.placement.stream_rooms)
+
+    def armed(self, hooks: Dict[str, object]) -> None:
+        """The hooks are attached: offload is on."""
+        self.hooks = hooks
+        self.active = True
+
+    def disarm(self) -> None:
+        """The hooks are gone (`remove_all_hooks()`, or a combined pipeline armed whole over this sub-pipeline)."""
+        self.active = False
+
+    def stop_moving(self) -> None:
+        """Every pending prefetch waited on, every streaming component back on the host."""
+        if self.transfer is not None:
+            self.transfer.flush()
+            self.stop_streams()
+
+    # -- events -----------------------------------------------------------------------------------------------------
     def use(self, name: str) -> None:
-        entry = self.entries[name]
+        """The hot path: hooked component `name` is about to run."""
+        placement = self.placement
+        entry = placement.entries[name]
         dirty = entry.dirty  # a recheck reads its size again
-        if name in self.streams.active:
-            if dirty or (self.readable and not intact(self.streams.active[name])):
-                self.recheck(name)
-        elif dirty or (self.readable and self.transfer.is_resident(entry) is not (name in self.resident)):
-            self.recheck(name)
-        if name not in self.resident and not dirty:
+        if placement.drifted(name, self.transfer):
+            placement.recheck(name, self.transfer)
+        if name not in placement.resident and not dirty:
             # About to be loaded, every tensor walked: its size is read again first (a tensor set to `None` or
             # deleted leaves no trace the registration hooks see).
-            self.transfer.book.refresh(self.modules[name], entry)
+            self.transfer.book.refresh(placement.modules[name], entry)
+        if placement.stream_room_stale(name):
+            placement.measure_streams([name])  # its blocks changed: so may the room it streams in
         calls = self.calls
         if calls.depth:
             calls.current.append(name)
-        decision = self.policy.on_use(name, self.resident, self.facts)
+        decision = self.policy.on_use(name, placement.resident, self.facts)
         if decision is not NOTHING:
             self.carry_out(decision)
         if self.transfer.pending:
-            self.transfer.ready(self.modules[name])
+            self.transfer.ready(placement.modules[name])
 
     def request_offload(self, name: str) -> None:
+        """Pipeline code called the component's `hook.offload()`."""
         if self.policy is not None and name in self.modules:
             self.carry_out(self.policy.on_offload_request(name, self.resident, self.facts))
+
+    def release(self) -> int:
+        """`doe.release(pipe)`: every offloaded component evicted now; returns the bytes evicted."""
+        self.placement.recheck_all(self.transfer)
+        before = len(self.ledger)
+        self.carry_out(self.policy.on_release(self.resident, self.facts))
+        return sum(record.nbytes for record in self.ledger.records[before:])
+
+    def component_left(self, name: str, module: torch.nn.Module) -> None:
+        """Component `name` was replaced or unregistered: it leaves the device unless another armed pipeline holds
+        it, and this session stops holding it (the pipeline is armed again at its next call)."""
+        others = [s for s in sharing.holders(module) if s is not self]
+        if name in self.resident and not others and self.transfer is not None:
+            self.move(name, OFFLOAD)
+        sharing.leave(self, module)
+        self.resident.discard(name)
+
+    def moved_outside(self, target: Optional[torch.device]) -> None:
+        """`pipe.to(...)` moved components (see `Placement.moved_outside`)."""
+        self.placement.moved_outside(target, self.transfer)
+
+    def begin_call(self) -> None:
+        """A pipeline call begins: placements checked, the ones the options keep on the device put back there."""
+        if not self.calls.begin():
+            return
+        sharing.running.append(self)
+        if not self.active:
+            return
+        self.placement.recheck_all(self.transfer)
+        for name in [n for n in self.modules if n not in self.policy.hooked and n not in self.resident]:
+            self.move(name, ONLOAD)
+        self.carry_out(self.policy.on_call_start(self.calls))
+
+    def end_of_call(self, failed: bool) -> None:
+        """The end of the call in progress, once per call (`maybe_free_model_hooks()`, or the call guard when the call
+        returned or raised without it): its trace joins the history unless it `failed`, streams stop (what stays is
+        chosen among whole components), the policy's end-of-call moves are made (none where nothing is hooked)."""
+        self.calls.end_trace(failed)
+        if self.hooks:
+            self.stop_streams()
+            self.carry_out(self.policy.on_call_end(self.resident, self.facts))
+
+    def rearm(self) -> None:
+        """Offload armed again, not at a call's end (an enable; `maybe_free_model_hooks()` outside a call or after its
+        end): streaming components stop, then the policy's arming moves."""
+        self.stop_streams()
+        self.carry_out(self.policy.on_enable(self.resident, self.facts))
+
+    def leave_call(self, failed: bool) -> None:
+        """A pipeline call returned or raised, its end already made."""
+        if failed:
+            self.streams.settle()
+        if self.calls.end(failed) and self in sharing.running:
+            sharing.running.remove(self)
 
     # -- moves ------------------------------------------------------------------------------------------------------
     def carry_out(self, decision: Decision) -> None:
         for direction, name in decision.moves:
-            if direction == STREAM:
-                if self.streams.begin(name, decision.overflow):
-                    placed(self.modules[name], True, self)
-            else:
+            if direction != STREAM:
                 self.move(name, direction)
+                continue
+            module = self.modules[name]
+            if self.streams.begin(name, module, decision.overflow, self.transfer, self.options.drops):
+                self.placement.placed(module, True)
+            else:
+                self.move(name, ONLOAD)  # it cannot stream: loaded whole, alone
 
     def stop_streams(self) -> None:
-        """Every streaming component back on the host (offload is disarmed or armed again)."""
+        """Every streaming component back on the host."""
         for name in list(self.streams.active):
             self.move(name, OFFLOAD)
 
@@ -141,120 +210,63 @@ class Session:
         if name in self.streams.active:
             if direction == ONLOAD:
                 return  # it runs on the device already, block by block
-            self.streams.stop(name)  # each block's move is in the ledger
-            placed(module, False, self)
+            self.streams.stop(name, self.transfer)  # each block's move is in the ledger
+            self.placement.placed(module, False)
             return
         ahead, direction = direction == PREFETCH, ONLOAD if direction == PREFETCH else direction
-        finishers = [observer(name, direction, module) for observer in self.observers]
-        with torch.profiler.record_function(f"diffusers_offload_ext::{direction}::{name}"):
-            if direction == ONLOAD:
-                pinning = self.transfer.pinning is not None
-                keep_host = (self.options.drops or pinning) and name not in self.policy.stays
-                onload = self.transfer.prefetch if ahead else self.transfer.onload
-                moved = onload(module, keep_host=keep_host, check=self.options.drops)
-            else:
-                moved = self.transfer.offload(module)
-        placed(module, direction == ONLOAD, self)
-        kind = PREFETCH if ahead else moved.kind
-        record = TransferRecord(name, direction, moved.nbytes, self.calls.index, kind, self.calls.step)
-        self.ledger.append(record)
-        for finish in finishers:
-            finish(record)
-        logger.debug(f"{direction} `{name}` ({moved.nbytes} bytes, {moved.kind})")
+
+        def carry() -> Tuple[int, str]:
+            with torch.profiler.record_function(f"diffusers_offload_ext::{direction}::{name}"):
+                if direction == ONLOAD:
+                    pinning = self.transfer.pinning is not None
+                    keep_host = (self.options.drops or pinning) and name not in self.policy.stays
+                    onload = self.transfer.prefetch if ahead else self.transfer.onload
+                    moved = onload(module, keep_host=keep_host, check=self.options.drops)
+                else:
+                    moved = self.transfer.offload(module)
+            self.placement.placed(module, direction == ONLOAD)
+            return moved.nbytes, PREFETCH if ahead else moved.kind
+
+        record = self.recorder.record(name, direction, module, carry)
+        logger.debug(f"{direction} `{name}` ({record.nbytes} bytes, {record.kind})")
         if direction == ONLOAD:
-            for other in sharing.holders(module):
-                if other is not self and other.policy is not None:
-                    other.carry_out(other.policy.on_shared_load(other.name_of(module), other.resident, other.facts))
-
-    def unpin(self, modules) -> None:
-        """Let the page-locked store go of `modules`' host memory (they left offload, or page-locking was turned off);
-        the memory itself stays, pageable."""
-        store = pinned.existing_store(self.device) if self.device is not None else None
-        if store is not None:
-            for module in modules:
-                store.release(module)
-
-    # -- the truth about placement ----------------------------------------------------------------------------------
-    def recheck(self, name: str) -> None:
-        """Read where component `name` really is (its structure changed, or its first tensor moved) and bring the
-        record in line. A component found partly or wholly off the device is not resident: it will be onloaded
-        before it runs, and its host copy is stale."""
-        module, entry = self.modules[name], self.entries[name]
-        if entry.dirty:
-            self.transfer.book.refresh(module, entry)
-        if name in self.streams.active:
-            if not self.readable or intact(self.streams.active[name]):  # where tensors cannot tell, the record
-                return
-            logger.debug(f"`{name}` was moved outside offload while it streamed; streaming stops where it is.")
-            self.streams.abandon(name)
-        where = self.transfer.locate(module)
-        if where not in (ON_DEVICE, ON_HOST, MIXED):
-            return
-        on = where == ON_DEVICE
-        if on is not (name in self.resident) or where == MIXED:
-            logger.debug(f"`{name}` was found {where} (moved outside offload); the record follows the tensors.")
-            placed(module, on, self)
-        if not on:
-            self.transfer.forget_host_copy(module)
-
-    def reconcile(self) -> None:
-        """Before a call: every component's placement checked (constant cost each), and the ones the options keep on
-        the device (excluded, round trips) put back there if something moved them."""
-        for name in self.modules:
-            if self.entries[name].dirty or self.transfer.readable:
-                self.recheck(name)
-        stays = [n for n in self.modules if n not in self.policy.hooked and n not in self.resident]
-        for name in stays:
-            self.move(name, ONLOAD)
-
-    def moved_outside(self, target: Optional[torch.device]) -> None:
-        """`pipe.to(...)` moved components: read where they are now (or, where tensors cannot tell, take the target
-        as the truth); host copies of what left the device are stale."""
-        for name, module in self.modules.items():
-            if name in self.streams.active:
-                self.streams.abandon(name)
-            self.entries[name].dirty = True  # a dtype change leaves no other trace
-            if self.transfer.readable:
-                self.recheck(name)
-            elif target is not None:
-                on = target == self.device
-                self.transfer.record(module, on)
-                placed(module, on, self)
-            if name not in self.resident:
-                self.transfer.forget_host_copy(module)
-
-    # -- calls ------------------------------------------------------------------------------------------------------
-    def begin_call(self) -> None:
-        if not self.calls.begin():
-            return
-        sharing.running.append(self)
-        if self.active:
-            self.reconcile()
-            self.carry_out(self.policy.on_call_start(self.calls))
-
-    def end_call(self, failed: bool) -> None:
-        if failed:
-            self.streams.settle()
-        if self.calls.end(failed):
-            if self in sharing.running:
-                sharing.running.remove(self)
-
-    def end_of_call(self) -> None:
-        """Offload is armed again with nothing changed: the end of a call (`maybe_free_model_hooks()`), or an enable
-        with the same options. Hooks and policy stay; only the policy's moves are made. A streaming component stops
-        first: what stays for the next call is chosen among whole components."""
-        self.stop_streams()
-        if self.ending and self.calls.in_call and not self.calls.ended:
-            self.calls.end_trace(self.failing)
-            self.carry_out(self.policy.on_call_end(self.resident, self.facts))
-        else:
-            self.carry_out(self.policy.on_enable(self.resident, self.facts))
+            _make_room(module, self)
 
 
-def placed(module: torch.nn.Module, on_device: bool, session: Session) -> None:
-    """`module` is now on the device (or not): `session` and every other pipeline holding it update their resident
-    sets."""
-    for session in {session, *sharing.holders(module)}:
-        name = session.name_of(module)
-        if name is not None:
-            (session.resident.add if on_device else session.resident.discard)(name)
+def _make_room(module: torch.nn.Module, loader: Session) -> None:
+    """`loader` put `module` on the device: every other pipeline holding it makes room for it if it must."""
+    for other in sharing.holders(module):
+        if other is not loader and other.policy is not None:
+            other.carry_out(other.policy.on_shared_load(other.name_of(module), other.resident, other.facts))
+
+
+def _transfer_for(session: Session, arming) -> Transfer:
+    """The transfer for `arming`'s device and options: the one in force where it fits; on another device, what the
+    session put on the old one goes home first."""
+    transfer = session.transfer
+    if transfer is not None and session.device != arming.device:
+        for name in sorted(session.resident & set(session.modules)):
+            session.move(name, OFFLOAD)
+        transfer = None
+    overlaps = arming.options.prefetch and arming.device.type in COPY_STREAMS
+    if transfer is None or transfer.asynchronous != overlaps:
+        transfer = make_transfer(arming.device, prefetch=overlaps)
+    transfer.pinning = pinned.store_for(arming.device) if arming.options.pin_memory is not False else None
+    return transfer
+
+
+def unpin(device: Optional[torch.device], modules) -> None:
+    """Let the page-locked store of `device` go of `modules`' host memory (they left offload, or page-locking was
+    turned off); the memory itself stays, pageable."""
+    store = pinned.existing_store(device) if device is not None else None
+    if store is not None:
+        for module in modules:
+            store.release(module)
+
+
+def session_of(pipe) -> Session:
+    """The session of `pipe`, made (and left on the pipeline) if it has none."""
+    session = get_session(pipe)
+    if session is None:
+        session = pipe.__dict__[SESSION_ATTR] = Session()
+    return session

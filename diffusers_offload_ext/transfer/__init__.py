@@ -18,27 +18,28 @@ from .synchronous import SyncTransfer
 _wrappers: List[Callable[[Transfer], Transfer]] = []
 
 
-#: Device type -> the transfer whose prefetches overlap compute (`prefetch=True`). Tests add a fake for `cpu`.
-STREAMED: Dict[str, Callable[[torch.device], Transfer]] = {}
+#: Device type -> the transfer whose prefetches overlap compute on a copy stream (`prefetch=True`). Tests add a fake
+#: for `cpu`.
+COPY_STREAMS: Dict[str, Callable[[torch.device], Transfer]] = {}
 
 
 def make_transfer(device: torch.device, prefetch: bool = False) -> Transfer:
     """The transfer for `device`: a `SyncTransfer` (blocking `.to()`), or with `prefetch` where the device has a copy
-    stream a `StreamTransfer`; wrapped by any registered wrapper."""
-    factory = STREAMED.get(device.type) if prefetch else None
+    stream a `CopyStreamTransfer`; wrapped by any registered wrapper."""
+    factory = COPY_STREAMS.get(device.type) if prefetch else None
     transfer: Transfer = factory(device) if factory is not None else SyncTransfer(device)
     for wrap in _wrappers:
         transfer = wrap(transfer)
     return transfer
 
 
-def _streamed_cuda(device: torch.device) -> Transfer:
-    from .streams import StreamTransfer
+def _cuda_copy_stream(device: torch.device) -> Transfer:
+    from .copy_stream import CopyStreamTransfer
 
-    return StreamTransfer(device)
+    return CopyStreamTransfer(device)
 
 
-STREAMED["cuda"] = _streamed_cuda
+COPY_STREAMS["cuda"] = _cuda_copy_stream
 
 
 __all__ = [
@@ -51,12 +52,12 @@ __all__ = [
     "ON_HOST",
     "ON_META",
     "Book",
+    "COPY_STREAMS",
     "Call",
     "Entry",
     "HostCopy",
     "Moved",
     "RecordingTransfer",
-    "STREAMED",
     "SyncTransfer",
     "Transfer",
     "first_tensor",

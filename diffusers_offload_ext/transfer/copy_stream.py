@@ -1,4 +1,4 @@
-"""`StreamTransfer`: prefetches on a CUDA copy stream, so that the next component's weights cross the bus while the
+"""`CopyStreamTransfer`: prefetches on a CUDA copy stream, so that the next component's weights cross the bus while the
 current one computes; the compute stream waits on an event before the prefetched component runs. Not run in CI (no
 GPU); the tests drive the same interface with a fake on the simulated accelerator.
 
@@ -21,7 +21,7 @@ from .book import BOOK, Book
 from .synchronous import SyncTransfer
 
 
-class StreamTransfer(SyncTransfer):
+class CopyStreamTransfer(SyncTransfer):
     """`SyncTransfer` whose `prefetch` runs on a dedicated CUDA stream with `non_blocking=True`."""
 
     asynchronous = True

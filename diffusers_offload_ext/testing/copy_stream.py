@@ -9,11 +9,11 @@ from typing import Dict, Iterator, List, Tuple
 
 import torch
 
-from ..transfer import STREAMED, Moved, SyncTransfer
+from ..transfer import COPY_STREAMS, Moved, SyncTransfer
 from ..transfer.ring import Copier
 
 
-class FakeStreamTransfer(SyncTransfer):
+class FakeCopyStreamTransfer(SyncTransfer):
     """A `SyncTransfer` whose prefetches complete only at `ready`; `log` lists `("prefetch" | "ready", module)`."""
 
     asynchronous = True
@@ -86,21 +86,21 @@ class FakeCopier(Copier):
 
 
 @contextlib.contextmanager
-def fake_copy_stream() -> Iterator[List[FakeStreamTransfer]]:
-    """Within the block, `prefetch=True` on a `cpu` device (the simulated accelerator) gets a `FakeStreamTransfer`;
+def fake_copy_stream() -> Iterator[List[FakeCopyStreamTransfer]]:
+    """Within the block, `prefetch=True` on a `cpu` device (the simulated accelerator) gets a `FakeCopyStreamTransfer`;
     yields the list of those made."""
-    made: List[FakeStreamTransfer] = []
+    made: List[FakeCopyStreamTransfer] = []
 
-    def factory(device: torch.device) -> FakeStreamTransfer:
-        made.append(FakeStreamTransfer(device))
+    def factory(device: torch.device) -> FakeCopyStreamTransfer:
+        made.append(FakeCopyStreamTransfer(device))
         return made[-1]
 
-    saved = STREAMED.get("cpu")
-    STREAMED["cpu"] = factory
+    saved = COPY_STREAMS.get("cpu")
+    COPY_STREAMS["cpu"] = factory
     try:
         yield made
     finally:
         if saved is None:
-            STREAMED.pop("cpu", None)
+            COPY_STREAMS.pop("cpu", None)
         else:
-            STREAMED["cpu"] = saved
+            COPY_STREAMS["cpu"] = saved

@@ -1,0 +1,75 @@
+"""The memory budget of the residency manager: an explicit `memory_budget`, or the automatic one read from free
+device memory minus `memory_reserve`, checked against the components that never leave the device."""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional, Tuple
+
+import torch
+from diffusers.utils import logging
+
+from ..transfer import memory
+from ..units import format_size
+from .options import OffloadOptions
+
+BUDGET, RESERVE, EXCLUDE = "memory_budget", "memory_reserve", "exclude_from_offload"
+
+logger = logging.get_logger(__name__)
+
+
+#: The automatic budget is rounded down to this, so that small changes of free memory do not change the plan.
+AUTO_BUDGET_STEP = 256 << 20
+
+
+def resolve_budget(
+    options: OffloadOptions,
+    device: torch.device,
+    stays: Mapping[str, int],
+    held_bytes: int,
+) -> Tuple[Optional[int], bool]:
+    """The memory budget in force for the residency manager, checked against what must stay on the device.
+
+    Args:
+        options (`OffloadOptions`): The options in force.
+        device (`torch.device`): The execution device.
+        stays (`Mapping[str, int]`): Bytes of each component that never leaves the device (excluded ones, and the
+            class's round trips).
+        held_bytes (`int`): Bytes of the pipeline's weights already on `device` (free memory does not count them).
+
+    Returns:
+        `(Optional[int], bool)`: the budget in bytes (`None`: unlimited) and whether it is the automatic one.
+
+    Raises:
+        `ValueError`: `memory_reserve` larger than the device, or the excluded components alone larger than an explicit
+            `memory_budget`.
+    """
+    total = memory.total_bytes(device)
+    reserve = options.memory_reserve
+    if total is not None and reserve > total:
+        raise ValueError(
+            f"`{RESERVE}` is {format_size(reserve)} ({reserve} bytes), more than the whole device {device} has "
+            f"({format_size(total)}). Pass a smaller reserve, for example `{RESERVE}='3GiB'`, or an explicit "
+            f"`{BUDGET}`."
+        )
+    stays_bytes = sum(stays.values())
+    if options.memory_budget is not None:
+        budget = options.memory_budget
+        if stays_bytes > budget:
+            raise ValueError(
+                f"The components that never leave the device ({sorted(stays)!r}, {stays_bytes} bytes = "
+                f"{format_size(stays_bytes)}) alone exceed `{BUDGET}`={budget!r} ({format_size(budget)}). Pass a "
+                f"`{BUDGET}` of at least {stays_bytes} bytes, or leave some of them out of `{EXCLUDE}`."
+            )
+        return budget, False
+    free = memory.free_bytes(device)
+    if free is None:
+        return None, True
+    budget = max((free + held_bytes - reserve) // AUTO_BUDGET_STEP * AUTO_BUDGET_STEP, 0)
+    if stays_bytes > budget:
+        logger.warning(
+            f"The components that never leave the device ({sorted(stays)!r}, {format_size(stays_bytes)}) exceed the "
+            f"automatic memory budget ({format_size(budget)}: free memory on {device} plus what the pipeline holds "
+            f"there, minus `{RESERVE}`={format_size(reserve)}). Every other component will run alone."
+        )
+        budget = stays_bytes
+    return budget, True

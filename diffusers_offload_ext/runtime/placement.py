@@ -1,0 +1,182 @@
+"""`Placement`: where one pipeline's armed components are. It holds the components, which of them are on the
+execution device (the tensors say where they can; the book's record where they cannot, on the plain CPU), the ones
+streaming their blocks and how little room each could stream in, and reads the truth again when a component's
+structure changed or its weights were moved from outside. It moves nothing whole: its session does."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Callable, Dict, Iterator, List, Optional, Set
+
+import torch
+from diffusers.utils import logging
+
+from ..transfer import ELSEWHERE, MIXED, ON_DEVICE, ON_HOST, Transfer
+from ..transfer.streaming import intact
+from . import sharing
+from .block_streams import BlockStreams, stream_room
+
+logger = logging.get_logger(__name__)
+
+
+class Sizes(Mapping):
+    """Current bytes of the components of a placement, read from the book (a changed component is re-read lazily)."""
+
+    def __init__(self, placement: "Placement", transfer: Transfer) -> None:
+        self._placement, self._transfer = placement, transfer
+
+    def __getitem__(self, name: str) -> int:
+        entry = self._placement.entries[name]
+        if entry.dirty:
+            self._transfer.book.refresh(self._placement.modules[name], entry)
+        return entry.nbytes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._placement.entries)
+
+    def __len__(self) -> int:
+        return len(self._placement.entries)
+
+
+class Placement:
+    """The armed components of one pipeline and where they are.
+
+    Args:
+        record (`Callable`): The pipeline's move recorder (`Recorder.record`), for the moves of streamed blocks.
+
+    Attributes:
+        modules (`Dict[str, torch.nn.Module]`): The armed components, in the pipeline's order.
+        entries (`Dict[str, Entry]`): Their entries in the transfer's book.
+        resident (`Set[str]`): Components on the execution device (a streaming one counts: it runs there).
+        readable (`bool`): Whether the tensors say where they are (the transfer's `readable`, for the hot path).
+        streams (`BlockStreams`): The components that stream their blocks (larger than the room left them).
+        stream_rooms (`Dict[str, int]`): The fewest device bytes each component can stream in (a fact for the policy,
+            measured when armed and again when the component's size changes; absent: it cannot stream).
+    """
+
+    def __init__(self, record: Callable) -> None:
+        self.modules: Dict[str, torch.nn.Module] = {}
+        self.entries: Dict = {}
+        self.resident: Set[str] = set()
+        self.readable = False
+        self.streams = BlockStreams(record)
+        self.stream_rooms: Dict[str, int] = {}
+        self._rooms_at: Dict[str, int] = {}  # each component's bytes when its stream room was measured
+        self._names: Dict[int, str] = {}
+
+    def take(self, modules: Dict[str, torch.nn.Module], transfer: Transfer, holder) -> List[str]:
+        """Hold `modules` (the components as they are now, for session `holder`) and read where each one is; returns
+        those found on another accelerator (the device changed), counted resident until they are sent home."""
+        for name, module in self.modules.items():
+            if modules.get(name) is not module:
+                sharing.leave(holder, module)
+        for module in modules.values():
+            sharing.join(holder, module)
+        self.modules = modules
+        self.entries = {name: transfer.entry(module) for name, module in modules.items()}
+        self._names = {id(module): name for name, module in modules.items()}
+        self.readable = transfer.readable
+        self.resident = set()
+        elsewhere = []
+        for name, module in modules.items():
+            where = transfer.locate(module)
+            if where in (ON_DEVICE, ELSEWHERE):
+                self.resident.add(name)
+            if where == ELSEWHERE:
+                elsewhere.append(name)
+            elif where == MIXED:
+                transfer.forget_host_copy(module)
+        return elsewhere
+
+    def keep_host_copies(self, transfer: Transfer, drops: bool, excluded) -> None:
+        """Host copies stay only for resident components that may be evicted without a copy."""
+        for name, module in self.modules.items():
+            if name not in self.resident or not drops or name in excluded:
+                transfer.forget_host_copy(module)
+
+    def measure_streams(self, names: List[str]) -> None:
+        """The stream rooms of `names`; with none, none is known (the policy then never streams beside others)."""
+        if not names:
+            self.stream_rooms.clear()
+            self._rooms_at.clear()
+        for name in names:
+            room = stream_room(self.modules[name])
+            self._rooms_at[name] = self.entries[name].nbytes
+            if room is None:
+                self.stream_rooms.pop(name, None)
+            else:
+                self.stream_rooms[name] = room
+
+    def stream_room_stale(self, name: str) -> bool:
+        """Component `name` changed size since its stream room was measured."""
+        return self._rooms_at.get(name, self.entries[name].nbytes) != self.entries[name].nbytes
+
+    def name_of(self, module: torch.nn.Module) -> Optional[str]:
+        """The component name of `module` here, or `None`."""
+        name = self._names.get(id(module))
+        return name if name is not None and self.modules.get(name) is module else None
+
+    def placed(self, module: torch.nn.Module, on_device: bool) -> None:
+        """`module` is now on the device (or not): this placement and those of every other pipeline holding it
+        follow."""
+        for placement in {self, *(session.placement for session in sharing.holders(module))}:
+            name = placement.name_of(module)
+            if name is not None:
+                (placement.resident.add if on_device else placement.resident.discard)(name)
+
+    def drifted(self, name: str, transfer: Transfer) -> bool:
+        """Constant-time: whether the record of `name` may be wrong (its structure changed, or its first tensor, or a
+        block of a streaming one, is not where the record says)."""
+        entry = self.entries[name]
+        if entry.dirty:
+            return True
+        if not self.readable:
+            return False
+        streamer = self.streams.active.get(name)
+        if streamer is not None:
+            return not intact(streamer)
+        return transfer.is_resident(entry) is not (name in self.resident)
+
+    def recheck(self, name: str, transfer: Transfer) -> None:
+        """Read where component `name` really is (its structure changed, or its first tensor moved) and bring the
+        record in line. A component found partly or wholly off the device is not resident: it will be onloaded
+        before it runs, and its host copy is stale."""
+        module, entry = self.modules[name], self.entries[name]
+        if entry.dirty:
+            transfer.book.refresh(module, entry)
+        if name in self.streams.active:
+            if not self.readable or intact(self.streams.active[name]):  # where tensors cannot tell, the record
+                return
+            logger.debug(f"`{name}` was moved outside offload while it streamed; streaming stops where it is.")
+            self.streams.abandon(name)
+        where = transfer.locate(module)
+        if where not in (ON_DEVICE, ON_HOST, MIXED):
+            return
+        on = where == ON_DEVICE
+        if on is not (name in self.resident) or where == MIXED:
+            logger.debug(f"`{name}` was found {where} (moved outside offload); the record follows the tensors.")
+            self.placed(module, on)
+        if not on:
+            transfer.forget_host_copy(module)
+
+    def recheck_all(self, transfer: Transfer) -> None:
+        """`recheck` every component that may have drifted (constant cost each where the tensors cannot tell)."""
+        for name in self.modules:
+            if self.entries[name].dirty or transfer.readable:
+                self.recheck(name, transfer)
+
+    def moved_outside(self, target: Optional[torch.device], transfer: Transfer) -> None:
+        """`pipe.to(...)` moved components: read where they are now (or, where tensors cannot tell, take the target
+        as the truth); host copies of what left the device are stale."""
+        for name, module in self.modules.items():
+            if name in self.streams.active:
+                self.streams.abandon(name)
+            self.entries[name].dirty = True  # a dtype change leaves no other trace
+            if transfer.readable:
+                self.recheck(name, transfer)
+            elif target is not None:
+                on = target == transfer.device
+                transfer.record(module, on)
+                self.placed(module, on)
+            if name not in self.resident:
+                transfer.forget_host_copy(module)
