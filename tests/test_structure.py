@@ -1,7 +1,8 @@
 """The package's shape, checked mechanically: modules a newcomer can name (each opens with a one-sentence docstring,
 about 300 lines at most, no class over about 200 lines, no function body over about 40), and imports that go one way
 (policies never import torch, the runtime or the transfer; the transfer layer knows no policy, runtime or observer;
-observers and the runtime never import each other: the ledger and the marks sit between them)."""
+observers and the runtime never import each other: the ledger and the marks sit between them), with no circle, and a
+session whose fields only `runtime/session.py` writes."""
 
 import ast
 import pathlib
@@ -110,3 +111,168 @@ def test_the_runtime_never_imports_the_test_pipelines():
         relative(p) for p in modules() if not relative(p).startswith(("testing/", "cli/")) and "tiny" in imports(p)
     ]
     assert offenders == []
+
+
+def module_graph():
+    """`{module: modules it imports}` over the package, imports inside functions included (`a.b` for `a/b.py`, `a`
+    for `a/__init__.py`)."""
+    names = {}
+    for path in modules():
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in names.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        package = [part for part in package if part]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level == 0 and not (node.module or "").startswith("diffusers_offload_ext"):
+                    continue
+                base = node.module.split(".")[1:] if node.level == 0 else package[: len(package) - node.level + 1]
+                base = base + (node.module.split(".") if node.level and node.module else [])
+                for alias in node.names:
+                    target = ".".join(base + [alias.name])
+                    found.add(target if target in names else ".".join(base))
+            elif isinstance(node, ast.Import):
+                found.update(
+                    a.name.split(".", 1)[1] for a in node.names if a.name.startswith("diffusers_offload_ext.")
+                )
+        graph[name] = {target for target in found if target in names and target != name}
+    return graph
+
+
+def circles(graph):
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = set()
+                    while node not in component:
+                        component.add(stack.pop())
+                    on_stack.difference_update(component)
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def test_no_import_circle():
+    graph = module_graph()
+    assert graph["runtime.methods"] >= {"runtime.arming"}  # the reading sees imports (inside functions too)
+    assert circles(graph) == []
+
+
+def test_the_circle_finder_finds_circles():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+#: Calls that change a list, set or dict in place.
+MUTATORS = {
+    "add",
+    "discard",
+    "append",
+    "remove",
+    "clear",
+    "update",
+    "pop",
+    "popitem",
+    "insert",
+    "extend",
+    "setdefault",
+}
+#: What code outside `runtime/session.py` may still change through a session: the trace subscribes to its moves.
+SUBSCRIPTION = {("observers", "append"), ("observers", "remove")}
+
+
+def _is_session(node, tainted) -> bool:
+    """Whether `node` is a session: a name bound to one, `<x>.session`, or `get_session(...)`/`session_of(...)`."""
+    if isinstance(node, ast.Name):
+        return node.id in tainted
+    if isinstance(node, ast.Attribute):
+        return node.attr == "session"
+    if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
+        return getattr(node.func, "id", getattr(node.func, "attr", None)) in ("get_session", "session_of")
+    return False
+
+
+def _session_names(tree) -> set:
+    tainted = {"session", "holder", "other"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and _is_session(node.value, tainted):
+            tainted.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return tainted
+
+
+def session_writes(source: str, label: str) -> list:
+    """Where `source` (the module `label`) assigns a field of a session, or changes one in place, in line order."""
+    tree = ast.parse(source)
+    tainted = _session_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            for part in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(part, ast.Attribute) and _is_session(part.value, tainted):
+                    found.append((node.lineno, f"assigns `{part.attr}`"))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            if node.args and _is_session(node.args[0], tainted):
+                found.append((node.lineno, node.func.id))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+            owner = node.func.value
+            if isinstance(owner, ast.Attribute) and _is_session(owner.value, tainted):
+                if (owner.attr, node.func.attr) not in SUBSCRIPTION:
+                    found.append((node.lineno, f"changes `{owner.attr}`"))
+    return [f"{label}:{line} {what}" for line, what in sorted(found)]
+
+
+def test_only_the_session_module_writes_a_session():
+    writes = []
+    for path in modules():
+        if relative(path) != "runtime/session.py":
+            writes += session_writes(path.read_text(), relative(path))
+    assert writes == []
+
+
+def test_the_session_write_finder_finds_writes():
+    source = (
+        "session = get_session(pipe)\n"
+        "session.active = False\n"
+        "self.session.policy, x = None, 1\n"
+        "state = session_of(pipe)\n"
+        "state.resident.add('vae')\n"
+        "setattr(session, 'device', None)\n"
+        "session.observers.append(tracer)\n"
+        "session.transfer.flush()\n"
+        "session.entries['vae'].dirty = True\n"
+    )
+    assert session_writes(source, "probe") == [
+        "probe:2 assigns `active`",
+        "probe:3 assigns `policy`",
+        "probe:5 changes `resident`",
+        "probe:6 setattr",
+    ]
