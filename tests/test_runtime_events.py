@@ -1,6 +1,7 @@
-"""The end of a call is its own event: when offload is armed again with nothing changed (stock's
-`maybe_free_model_hooks()` at the end of every call, or an enable with the same options), hooks and policy stay and
-no parameter is walked; anything that did change arms everything again."""
+"""The end of a call is its own event: one session event per call, told whether the call failed, with no round trip
+through stock's `maybe_free_model_hooks()`; when offload is armed again with nothing changed (at the end of every
+call, or an enable with the same options), hooks and policy stay and no parameter is walked; anything that did change
+arms everything again."""
 
 import pytest
 import toy
@@ -81,3 +82,71 @@ def test_a_change_arms_everything_again(installed):
     pipe.text_encoder = toy.Block(toy.WIDTHS["text_encoder"])  # a component replaced
     pipe(PREVIEW)
     assert isinstance(pipe.text_encoder._hf_hook, type(after["transformer"]))
+
+
+class WithoutFree(toy.TracePipeline):
+    """Ends its calls without `maybe_free_model_hooks()`, as a combined pipeline armed whole does."""
+
+    def __call__(self, trace=(), fail_at=None):
+        for index, name in enumerate(trace):
+            if index == fail_at:
+                raise RuntimeError(f"failure at event {index}")
+            getattr(self, name)()
+        return list(trace)
+
+
+class FreeingTwice(toy.TracePipeline):
+    """Calls `maybe_free_model_hooks()` twice at the end of its calls."""
+
+    def __call__(self, trace=()):
+        result = super().__call__(trace)
+        self.maybe_free_model_hooks()
+        return result
+
+
+def spy_ends(monkeypatch):
+    """Every `Session.end_of_call(failed)`, and every call of stock's `maybe_free_model_hooks` or
+    `enable_model_cpu_offload` made while the extension has the pipeline armed (the round trip there was)."""
+    from diffusers_offload_ext import marks
+    from diffusers_offload_ext.runtime.session import Session
+
+    ends, round_trips = [], []
+    original = Session.end_of_call
+
+    def end_of_call(self, failed):
+        ends.append(failed)
+        return original(self, failed)
+
+    monkeypatch.setattr(Session, "end_of_call", end_of_call)
+    for name in ("maybe_free_model_hooks", "enable_model_cpu_offload"):
+        stock = marks.STOCK[name]
+
+        def spied(pipe, *args, _stock=stock, _name=name, **kwargs):
+            session = marks.get_session(pipe)
+            if session is not None and session.active:
+                round_trips.append(_name)
+            return _stock(pipe, *args, **kwargs)
+
+        monkeypatch.setitem(marks.STOCK, name, spied)
+    return ends, round_trips
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("kind", [toy.TracePipeline, WithoutFree, FreeingTwice], ids=lambda k: k.__name__)
+def test_the_end_of_a_call_is_one_session_event_with_the_failure(installed, monkeypatch, option, kind):
+    pipe = toy.build(kind)
+    pipe.enable_model_cpu_offload(device="cpu", **OPTIONS[option])
+    ends, round_trips = spy_ends(monkeypatch)
+    pipe(PREVIEW)
+    pipe.maybe_free_model_hooks()  # outside a call: offload armed again, not a call's end
+    pipe.enable_model_cpu_offload()
+    assert ends == [False]
+    if kind is not FreeingTwice:
+        with pytest.raises(RuntimeError, match="failure at event 2"):
+            pipe(PREVIEW, fail_at=2)
+        assert ends == [False, True]
+    pipe(PREVIEW)
+    assert ends[-1] is False and len(ends) == (2 if kind is FreeingTwice else 3)
+    assert round_trips == []
+    if option in ("defaults", "keep"):  # and the end of the call sent everything offloaded home, as stock
+        assert {n for n, c in installed.offload_status(pipe).components.items() if c.resident} == {"safety_checker"}
