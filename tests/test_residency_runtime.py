@@ -145,6 +145,33 @@ def test_default_options_never_start_the_manager(installed):
     assert all(r.kind == "copy" for r in doe.transfer_ledger(pipe).records)
 
 
+@pytest.mark.parametrize("manager", [{"memory_budget": 500}, {"keep_on_device_between_generations": True}])
+def test_keep_during_generation_means_nothing_under_the_manager_and_says_so(installed, caplog, manager):
+    """Under the residency manager (which evicts only to make room) `keep_on_device_during_generation` has no effect:
+    the same moves as without it, one warning when it comes to be so, no component reported `"kept"`; it stays in
+    force, and means again what it means, once the manager is off."""
+    trace = ["text_encoder", "text_encoder_2", "transformer", "vae", "transformer", "vae"]
+    kept, plain = build(), build()
+    with caplog.at_level(logging.WARNING, logger="diffusers_offload_ext"):
+        kept.enable_model_cpu_offload(device="cpu", keep_on_device_during_generation=True, **manager)
+        kept.enable_model_cpu_offload(**manager)  # the same again: no second warning
+    plain.enable_model_cpu_offload(device="cpu", **manager)
+    warnings = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+    assert len(warnings) == 1 and "`keep_on_device_during_generation`" in warnings[0]
+    for pipe in (kept, plain):
+        for _ in range(2):
+            pipe(trace)
+    moves = [[(r.component, r.direction, r.nbytes, r.kind) for r in doe.transfer_ledger(p)] for p in (kept, plain)]
+    assert moves[0] == moves[1]
+    assert "kept" not in {c.role for c in status(kept).components.values()}
+    assert status(kept).options["keep_all"] is True  # in force, for when the manager is off
+    kept.enable_model_cpu_offload(memory_budget="auto", keep_on_device_between_generations=False)
+    assert status(kept).policy == "chain"
+    assert {n for n, c in status(kept).components.items() if c.role == "kept"} == set(kept.components) - {
+        "safety_checker"
+    }
+
+
 # -- budgets ----------------------------------------------------------------------------------------------------------
 def test_automatic_budget_on_cuda(installed, monkeypatch):
     """`None` on CUDA: free memory at enable + what the pipeline holds there - reserve (memory functions mocked)."""
