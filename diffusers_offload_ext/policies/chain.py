@@ -3,22 +3,11 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import AbstractSet, Dict, Iterable, Optional, Sequence, Union
 
 from ..constants import OFFLOAD, ONLOAD
 from ..layout import PipelineLayout
 from .base import NOTHING, Decision, Facts, Policy
-
-
-def renamed(owner: str, old: str, old_value, new: str, new_value):
-    """`new_value`, or `old_value` (with a `FutureWarning`) when the caller used the old keyword `old`."""
-    if old_value is None:
-        return new_value
-    if new_value:
-        raise TypeError(f"{owner}() got both `{old}` and its new name `{new}`; pass only `{new}`.")
-    warnings.warn(f"`{owner}({old}=...)` is deprecated; use `{new}=...` (same meaning).", FutureWarning, stacklevel=3)
-    return old_value
 
 
 class ChainPolicy(Policy):
@@ -29,11 +18,9 @@ class ChainPolicy(Policy):
         order (`Sequence[str]`): Every module component, in the pipeline's order (end-of-call moves follow it).
         chain (`Sequence[str]`): The hooked components of `model_cpu_offload_seq`, in chain order.
         hooked (`Iterable[str]`): Every component that has an offload hook (the chain and those outside it).
-        excluded (`Iterable[str]`, defaults to `()`): `exclude_from_offload`: on the device once, never moved again
-            (formerly `pinned`).
+        excluded (`Iterable[str]`, defaults to `()`): `exclude_from_offload`: on the device once, never moved again.
         round_trip (`Iterable[str]`, defaults to `()`): The class's `_exclude_from_cpu_offload` components that the
-            user did not exclude: like stock, they go to the host and back up whenever offload is armed (formerly
-            `bounce`).
+            user did not exclude: like stock, they go to the host and back up whenever offload is armed.
         kept (`Iterable[str]`, defaults to `()`): `keep_on_device_during_generation`: the chain never evicts them.
     """
 
@@ -46,11 +33,7 @@ class ChainPolicy(Policy):
         excluded: Iterable[str] = (),
         round_trip: Iterable[str] = (),
         kept: Iterable[str] = (),
-        pinned: Optional[Iterable[str]] = None,
-        bounce: Optional[Iterable[str]] = None,
     ) -> None:
-        excluded = renamed("ChainPolicy", "pinned", pinned, "excluded", excluded)
-        round_trip = renamed("ChainPolicy", "bounce", bounce, "round_trip", round_trip)
         self.order = tuple(order)
         self.chain = tuple(chain)
         self.hooked = frozenset(hooked)
@@ -100,12 +83,3 @@ class ChainPolicy(Policy):
         moves += [(ONLOAD, n) for n in self.order if n in self.round_trip]
         moves += [(ONLOAD, n) for n in self.order if n in self.excluded and n not in resident]
         return Decision.of(moves)
-
-    # Old attribute names, read by code written against 0.1.
-    @property
-    def pinned(self) -> frozenset:
-        return self.excluded
-
-    @property
-    def bounce(self) -> frozenset:
-        return self.round_trip

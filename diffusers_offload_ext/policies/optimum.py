@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Iterable, List, Mapping, NamedTuple, Optional
 
 from ..constants import END
-from .chain import renamed
 from .masks import INF, Universe
 
 
@@ -31,7 +30,6 @@ def optimal_bytes(
     *,
     stays: Iterable[str] = (),
     keep_between: bool = True,
-    fixed: Optional[Iterable[str]] = None,
 ) -> Optimum:
     """The exact least host-to-device bytes to run `trace` within `budget`, evicting for free at any time.
 
@@ -45,13 +43,12 @@ def optimal_bytes(
         budget (`int`, *optional*): Bytes allowed on the device; `None`: unlimited.
         stays (`Iterable[str]`, defaults to `()`): Components always on the device (not moved, not counted as moves).
         keep_between (`bool`, defaults to `True`): Whether components may stay on the device from one call to the next.
-        fixed: Deprecated name of `stays`.
 
     Returns:
         `Optimum`: `total` and `after_call`.
     """
     trace = list(trace)
-    stays = set(renamed("optimal_bytes", "fixed", fixed, "stays", stays))
+    stays = set(stays)
     names = [n for n in dict.fromkeys(trace) if n != END and n not in stays]
     avail = None if budget is None else max(int(budget) - sum(sizes[n] for n in stays), 0)
     u = Universe(names, sizes, avail)

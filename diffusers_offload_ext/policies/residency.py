@@ -22,7 +22,6 @@ from ..calls import CallTracker
 from ..constants import END, OFFLOAD, ONLOAD, STREAM
 from .base import NOTHING, Decision, Facts, Overflow, Policy
 from .choice import exact_choice, greedy_choice
-from .chain import renamed
 from .masks import Universe
 from .planner import Planner
 from .shadow import StockShadow
@@ -59,7 +58,6 @@ class ResidencyPolicy(Policy):
             counts the bytes it moves against stock's.
         dynamic_capacity (`bool`, defaults to `False`): Whether `Facts.capacity` will bound the room (free device
             memory read before onloads, on CUDA); plans then hold value tables even when the budget fits everything.
-        pinned, bounce: Deprecated names of `excluded` and `round_trip`.
     """
 
     def __init__(
@@ -78,16 +76,14 @@ class ResidencyPolicy(Policy):
         max_exact: int = MAX_EXACT,
         zero_copy: bool = True,
         dynamic_capacity: bool = False,
-        pinned: Optional[Iterable[str]] = None,
-        bounce: Optional[Iterable[str]] = None,
     ) -> None:
         hooked = set(hooked)
         self.order = tuple(order)
         self.hooked = frozenset(hooked)
         self.offloaded = tuple(n for n in self.order if n in hooked)
         self.chain = tuple(n for n in dict.fromkeys(chain) if n in hooked)
-        self.excluded = frozenset(renamed("ResidencyPolicy", "pinned", pinned, "excluded", excluded))
-        self.round_trip = frozenset(renamed("ResidencyPolicy", "bounce", bounce, "round_trip", round_trip))
+        self.excluded = frozenset(excluded)
+        self.round_trip = frozenset(round_trip)
         self.stays = self.excluded | self.round_trip
         self.sizes = {name: int(nbytes) for name, nbytes in sizes.items()}
         self.budget = budget
