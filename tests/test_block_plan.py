@@ -1,6 +1,6 @@
 """`diffusers-offload plan` models block residency (issue 11). The figures are recomputed here independently: block
 sizes from `doe.block_sizes` of the components built on the meta device in their dtype, stream plans from
-`policies.plan_stream`, uses and order from the plan's own call trace, and the bytes each strategy moves walked by
+`policies.choose_blocks`, uses and order from the plan's own call trace, and the bytes each strategy moves walked by
 hand; the static block optimum is checked against brute force."""
 
 import itertools
@@ -21,7 +21,7 @@ from diffusers_offload_ext.models import load_model, plan  # noqa: E402
 from diffusers_offload_ext.models.block_compare import global_plan  # noqa: E402
 from diffusers_offload_ext.models.specs import load_spec  # noqa: E402
 from diffusers_offload_ext.models.strategies import all_strategies  # noqa: E402
-from diffusers_offload_ext.policies import Item, least_room, plan_stream  # noqa: E402
+from diffusers_offload_ext.policies import Item, least_room, choose_blocks  # noqa: E402
 
 pytestmark = pytest.mark.plugin_only
 GiB = 1 << 30
@@ -50,12 +50,12 @@ def flux_blocks():
 
 def streams(blocks: dict, room: int):
     """The runtime's stream plan of one component within `room`: every block once per forward, its rest kept."""
-    return plan_stream([Item(n, b, 1) for n, b in blocks.items()], room, forced=[REST])
+    return choose_blocks([Item(n, b, 1) for n, b in blocks.items()], room, forced=[REST])
 
 
 # -- the budget's streams ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("vram", ["16GiB", "8GiB"])
-def test_a_denoiser_larger_than_the_budget_streams_as_plan_stream_says(vram, flux_blocks):
+def test_a_denoiser_larger_than_the_budget_streams_as_choose_blocks_says(vram, flux_blocks):
     result = plan("flux-dev", vram=vram, reserve="3GiB")
     entry = result["block_residency"]
     sizes = {n: c["nbytes"] for n, c in result["components"].items()}

@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: block residency")
 
 from diffusers_offload_ext.blocks import REST, block_sizes, find_blocks  # noqa: E402
-from diffusers_offload_ext.policies import Item, keep_most_used, least_room, plan_stream, streamed_bytes  # noqa: E402
+from diffusers_offload_ext.policies import (
+    Item,
+    keep_most_used,
+    least_room,
+    choose_blocks,
+    streamed_bytes,
+)  # noqa: E402
 
 pytestmark = pytest.mark.plugin_only
 
@@ -125,9 +131,9 @@ def brute_force_plan(items, room, depth, forced):
 
 @settings(max_examples=300, deadline=None)
 @given(items=items_strategy, room=st.integers(0, 300), depth=st.integers(1, 3), force=st.booleans())
-def test_stream_plans_fit_the_room_ring_included_and_are_within_one_block_of_the_optimum(items, room, depth, force):
+def test_block_choices_fit_the_room_ring_included_and_are_within_one_block_of_the_optimum(items, room, depth, force):
     forced = [items[0].key] if force and items else []
-    plan = plan_stream(items, room, depth=depth, forced=forced)
+    plan = choose_blocks(items, room, depth=depth, forced=forced)
     best = brute_force_plan(items, room, depth, forced)
     note(f"plan {plan}, optimum {best}")
     assert (plan is None) == (best is None)
@@ -144,7 +150,7 @@ def test_stream_plans_fit_the_room_ring_included_and_are_within_one_block_of_the
 
 @settings(max_examples=300, deadline=None)
 @given(items=items_strategy, depth=st.integers(1, 3), force=st.booleans())
-def test_the_least_room_is_the_smallest_footprint_of_any_plan_and_plan_stream_finds_one_there(items, depth, force):
+def test_the_least_room_is_the_smallest_footprint_of_any_choice_and_choose_blocks_finds_one_there(items, depth, force):
     """`least_room` (what the runtime's warning and the planner report as the room a stream needs) against every
     kept subset's footprint: kept bytes and a ring of the largest streamed block."""
     if not items:
@@ -159,8 +165,8 @@ def test_the_least_room_is_the_smallest_footprint_of_any_plan_and_plan_stream_fi
                 footprints.append(sum(i.nbytes for i in subset) + ring)
     least = least_room(items, depth=depth, forced=forced)
     assert least == min(footprints)
-    assert plan_stream(items, least, depth=depth, forced=forced) is not None
-    assert least == 0 or plan_stream(items, least - 1, depth=depth, forced=forced) is None
+    assert choose_blocks(items, least, depth=depth, forced=forced) is not None
+    assert least == 0 or choose_blocks(items, least - 1, depth=depth, forced=forced) is None
 
 
 @pytest.mark.parametrize(
@@ -173,9 +179,9 @@ def test_the_least_room_is_the_smallest_footprint_of_any_plan_and_plan_stream_fi
 )
 def test_bad_items_are_refused(items, room, depth, message):
     with pytest.raises(ValueError, match=message):
-        plan_stream(items, room, depth=depth)
+        choose_blocks(items, room, depth=depth)
 
 
 def test_too_many_blocks_are_refused_before_any_work():
     with pytest.raises(ValueError, match="at most 4096"):
-        plan_stream([Item(i, 1, 1) for i in range(5000)], 10)
+        choose_blocks([Item(i, 1, 1) for i in range(5000)], 10)

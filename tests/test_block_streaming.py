@@ -544,7 +544,7 @@ def test_the_largest_component_of_every_tiny_pipeline_streams_under_a_budget_bel
     ok, why = tiny.available(name)
     if not ok:
         pytest.skip(why)  # the oldest diffusers supported has no such pipeline
-    from diffusers_offload_ext.runtime.block_streams import stream_plan
+    from diffusers_offload_ext.runtime.block_streams import block_choice
 
     pipe = tiny.build(name)
     reference = tiny.run(pipe, name)
@@ -553,7 +553,7 @@ def test_the_largest_component_of_every_tiny_pipeline_streams_under_a_budget_bel
     largest = max(arranged.hooked, key=sizes.get)
     stays = sum(sizes[n] for n in arranged.round_trip)
     room = sizes[largest] - 1
-    expected = stream_plan(pipe.components[largest], room)[0] is not None
+    expected = block_choice(pipe.components[largest], room)[0] is not None
     with SimulatedAccelerator() as sim:
         pipe.enable_model_cpu_offload(device="cpu", memory_budget=stays + room)
         images = [tiny.run(pipe, name) for _ in range(2)]

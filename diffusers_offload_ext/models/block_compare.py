@@ -4,7 +4,7 @@ that optimum, sequential, group and stock offload, each with the bandwidth and t
 
 The optimum is a model, not a replay: every block of every offloaded component is an item whose uses are its
 component's uses per generation (a denoiser block once per forward, a text-encoder layer once per call), the most
-used are kept on the device for good (`policies.plan_stream`: greedy, within one block of the best static choice,
+used are kept on the device for good (`policies.choose_blocks`: greedy, within one block of the best static choice,
 with the ring inside the room) and the others stream at each use. A component's rest, when it is not kept, is loaded
 when the component runs and held beside the ring while it runs (every subset of rests is tried). The runtime does
 not do this: it keeps whole components and streams only those that do not fit (or run once beside the others).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from ..policies import Item, plan_stream
+from ..policies import Item, choose_blocks
 from ..units import format_size
 from .block_model import REST, BlockPlans
 
@@ -58,7 +58,7 @@ def global_plan(items: Sequence[Item], room: int, rests: Iterable = ()) -> Optio
         kept = [r for k, r in enumerate(rests) if mask >> k & 1]
         loose = [r for k, r in enumerate(rests) if not mask >> k & 1]
         held = max((r.nbytes for r in loose if r.uses), default=0)
-        plan = plan_stream(blocks, room - held - sum(r.nbytes for r in kept))
+        plan = choose_blocks(blocks, room - held - sum(r.nbytes for r in kept))
         if plan is None:
             continue
         candidate = GlobalPlan(

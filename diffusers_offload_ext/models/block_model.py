@@ -5,7 +5,7 @@ block by block.
 The residency manager answers `STREAM` for a component larger than the room it has (and for one that runs once
 beside the resident components, `Facts.stream_rooms`); `policies.replay_trace` books such a stream as one onload of
 the whole component. `replay_streaming` replays the same policy with the stream rooms the runtime would measure (the
-least room in which a plan of `policies.plan_stream` exists: the component has repeated blocks, its rest and a ring
+least room in which a plan of `policies.choose_blocks` exists: the component has repeated blocks, its rest and a ring
 fit) and books each stream as
 the runtime moves it: the plan's kept blocks once when the stream starts, and the streamed blocks at every use of the
 component while it streams (one pass per forward); as in the runtime, streams stop at every call's end. Ring buffers
@@ -21,7 +21,7 @@ import os
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..constants import END, OFFLOAD, ONLOAD, STREAM
-from ..policies import DEPTH, Decision, Item, ReplayedMove, StreamPlan, least_room, plan_stream, replay_trace
+from ..policies import DEPTH, Decision, Item, ReplayedMove, BlockChoice, least_room, choose_blocks, replay_trace
 from .recorded import DATA_DIR, config_key
 from .sizes import ITEMSIZE
 from .specs import load_spec, override_component
@@ -84,7 +84,7 @@ def spec_entry(model: str, components, name: str) -> Mapping:
 
 class BlockPlans:
     """The blocks of a planned model's components and the stream plan of each within a room, as the runtime makes
-    them (`runtime.block_streams.stream_plan`: every block weighed once per forward, the rest kept).
+    them (`runtime.block_streams.block_choice`: every block weighed once per forward, the rest kept).
 
     Args:
         model (`str`): The shipped model name or spec path.
@@ -95,7 +95,7 @@ class BlockPlans:
     def __init__(self, model: str, dtypes: Mapping[str, str], components: Sequence[str] = ()) -> None:
         self.model, self.dtypes, self.components = model, dict(dtypes), tuple(components)
         self._blocks: Dict[str, Dict[str, int]] = {}
-        self._plans: Dict[Tuple[str, int], Optional[StreamPlan]] = {}
+        self._plans: Dict[Tuple[str, int], Optional[BlockChoice]] = {}
 
     @classmethod
     def of(cls, blocks: Mapping[str, Mapping[str, int]]) -> "BlockPlans":
@@ -110,7 +110,7 @@ class BlockPlans:
             self._blocks[name] = block_bytes(spec_entry(self.model, self.components, name), self.dtypes[name])
         return self._blocks[name]
 
-    def plan(self, name: str, room: int) -> Optional[StreamPlan]:
+    def plan(self, name: str, room: int) -> Optional[BlockChoice]:
         """How component `name` streams within `room` bytes; `None` when it cannot (no repeated blocks, or less room
         than `least_room`)."""
         key = (name, int(room))
@@ -120,7 +120,7 @@ class BlockPlans:
             if any(block != REST for block in blocks):
                 items = [Item(block, nbytes, 1) for block, nbytes in blocks.items()]
                 forced = [REST] if REST in blocks else []
-                plan = plan_stream(items, max(int(room), 0), depth=DEPTH, forced=forced)
+                plan = choose_blocks(items, max(int(room), 0), depth=DEPTH, forced=forced)
             self._plans[key] = plan
         return self._plans[key]
 

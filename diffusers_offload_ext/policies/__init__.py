@@ -1,6 +1,6 @@
 """Policies: which component moves when. Pure Python: no torch device, no hook, no runtime."""
 
-from .blocks import DEPTH, Item, StreamPlan, keep_most_used, least_room, plan_stream, streamed_bytes
+from .blocks import DEPTH, BlockChoice, Item, choose_blocks, keep_most_used, least_room, streamed_bytes
 from .base import NOTHING, Decision, Facts, Move, Overflow, Policy, apply
 from .chain import ChainPolicy
 from .optimum import Optimum, optimal_bytes
@@ -13,6 +13,7 @@ __all__ = [
     "DEPTH",
     "MAX_EXACT",
     "NOTHING",
+    "BlockChoice",
     "ChainPolicy",
     "Decision",
     "Facts",
@@ -25,12 +26,11 @@ __all__ = [
     "Replay",
     "ReplayedMove",
     "ResidencyPolicy",
-    "StreamPlan",
     "apply",
+    "choose_blocks",
     "keep_most_used",
     "least_room",
     "optimal_bytes",
-    "plan_stream",
     "predict_rest",
     "replay",
     "replay_trace",

@@ -13,7 +13,7 @@ sum); with the equal-sized repeated blocks of real models the gap is smaller tha
 
 Streamed blocks pass through a ring of `depth + 1` device buffers, each as large as the largest streamed block: the
 one running and `depth` prefetched ahead. The ring is part of the room, so keeping the largest blocks can shrink it;
-`plan_stream` tries every slot size a block has and keeps the plan that streams the fewest bytes.
+`choose_blocks` tries every slot size a block has and keeps the choice that streams the fewest bytes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import FrozenSet, Hashable, Iterable, NamedTuple, Optional, Sequence
 
 #: Blocks prefetched ahead of the one running (the ring has `DEPTH + 1` slots).
 DEPTH = 2
-#: Most blocks `plan_stream` accepts (it is quadratic in their number).
+#: Most blocks `choose_blocks` accepts (it is quadratic in their number).
 MAX_BLOCKS = 4096
 
 
@@ -34,7 +34,7 @@ class Item(NamedTuple):
     uses: int
 
 
-class StreamPlan(NamedTuple):
+class BlockChoice(NamedTuple):
     """How one component runs within a room smaller than itself.
 
     Args:
@@ -93,11 +93,11 @@ def streamed_bytes(items: Iterable[Item], kept: Iterable) -> int:
     return sum(item.nbytes * item.uses for item in _checked(items) if item.key not in kept)
 
 
-def plan_stream(
+def choose_blocks(
     items: Sequence[Item], room: int, *, depth: int = DEPTH, forced: Iterable = ()
-) -> Optional[StreamPlan]:
-    """The plan that streams the fewest bytes per call with the kept blocks and the ring within `room` bytes; `None`
-    when no plan fits (the `forced` blocks and the smallest ring alone exceed it).
+) -> Optional[BlockChoice]:
+    """The choice that streams the fewest bytes per call with the kept blocks and the ring within `room` bytes; `None`
+    when none fits (the `forced` blocks and the smallest ring alone exceed it).
 
     Args:
         items (`Sequence[Item]`): The component's blocks, in their running order.
@@ -112,14 +112,14 @@ def plan_stream(
         if left < 0:
             continue
         kept = keep_most_used(free, left) | {item.key for item in must}
-        plan = _plan(items, kept, depth)
-        if best is None or (plan.streamed_bytes, plan.device_bytes) < (best.streamed_bytes, best.device_bytes):
-            best = plan
+        choice = _choice(items, kept, depth)
+        if best is None or (choice.streamed_bytes, choice.device_bytes) < (best.streamed_bytes, best.device_bytes):
+            best = choice
     return best
 
 
 def least_room(items: Sequence[Item], *, depth: int = DEPTH, forced: Iterable = ()) -> int:
-    """The fewest device bytes any stream plan of `items` needs (`plan_stream` finds one in that room): the `forced`
+    """The fewest device bytes any block choice of `items` needs (`choose_blocks` finds one in that room): the `forced`
     blocks, those larger than the ring's buffers, and the ring."""
     return min(ring + sum(item.nbytes for item in must) for must, free, ring in _rings(_checked(items), depth, forced))
 
@@ -127,7 +127,7 @@ def least_room(items: Sequence[Item], *, depth: int = DEPTH, forced: Iterable = 
 def _rings(items: Tuple[Item, ...], depth: int, forced: Iterable):
     """`(must keep, may stream, ring bytes)` for each ring buffer size worth trying (0: nothing streams)."""
     if len(items) > MAX_BLOCKS:
-        raise ValueError(f"`items` has {len(items)} blocks; at most {MAX_BLOCKS} can be planned.")
+        raise ValueError(f"`items` has {len(items)} blocks; at most {MAX_BLOCKS} can be chosen among.")
     if depth < 1:
         raise ValueError(f"`depth` must be at least 1, got {depth!r}.")
     forced = set(forced)
@@ -137,10 +137,10 @@ def _rings(items: Tuple[Item, ...], depth: int, forced: Iterable):
         yield must, free, slot * min(depth + 1, len(free))
 
 
-def _plan(items: Tuple[Item, ...], kept: FrozenSet, depth: int) -> StreamPlan:
+def _choice(items: Tuple[Item, ...], kept: FrozenSet, depth: int) -> BlockChoice:
     streamed = [item for item in items if item.key not in kept]
     slot = max((item.nbytes for item in streamed), default=0)
-    return StreamPlan(
+    return BlockChoice(
         kept=tuple(item.key for item in items if item.key in kept),
         streamed=tuple(item.key for item in streamed),
         slot_bytes=slot,

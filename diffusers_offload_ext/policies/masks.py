@@ -89,7 +89,7 @@ class Universe:
         Relative value iteration: apply one call's backward programme to the values, subtract the minimum, until an
         iterate repeats. The iterates of such a min-plus system become periodic; `period` is 1 when they converge
         and more when the optimal schedule alternates between calls (the values are then a fixed point of
-        `period` calls, and plans must span that many calls to be optimal on average).
+        `period` calls, and forecasts must span that many calls to be optimal on average).
         """
         zero: List[float] = [0] * self.full
         if not keep_between:

@@ -45,7 +45,7 @@ class PrefetchPolicy(ResidencyPolicy):
 
     def _following(self, name: str) -> Optional[str]:
         """The first component other than `name` the rest of this call is predicted to run; `None` if none."""
-        upcoming = self.planner.upcoming(self.calls.current, self.model, self.chain, True)
+        upcoming = self.forecaster.upcoming(self.calls.current, self.model, self.chain, True)
         for event in upcoming:
             if event == END:
                 return None

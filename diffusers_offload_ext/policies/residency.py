@@ -9,7 +9,7 @@ and the bytes saved against stock cover a wrong prediction.
 Components move to the device only when they run (loading on demand never costs more bytes than loading ahead).
 When one would not fit, the resident components that are not running are split into those to keep and those to
 evict so as to minimise the host-to-device bytes of the *predicted* future: the trace of the previous call (on the
-first call, the chain order), aligned with what this call has run so far (`planner.py`). Up to `MAX_EXACT` offloaded
+first call, the chain order), aligned with what this call has run so far (`forecast.py`). Up to `MAX_EXACT` offloaded
 components the choice is exact for that prediction (`masks.py`); above, a greedy rule. A shadow of stock's chain on
 the same trace bounds the bytes moved: the manager never moves more than stock (see `_credit_allows`).
 """
@@ -23,7 +23,7 @@ from ..constants import END, OFFLOAD, ONLOAD, STREAM
 from .base import NOTHING, Decision, Facts, Overflow, Policy
 from .choice import exact_choice, greedy_choice
 from .masks import Universe
-from .planner import Planner
+from .forecast import Forecaster
 from .shadow import StockShadow
 
 #: Up to this many offloaded components the eviction choice is exact (2**n resident sets); above, a greedy rule.
@@ -33,7 +33,7 @@ MAX_EXACT = 8
 class ResidencyPolicy(Policy):
     """Keep components on the device within a memory budget; evict what the predicted future needs least.
 
-    Keep one instance for the life of a pipeline's configuration: plans may span calls.
+    Keep one instance for the life of a pipeline's configuration: forecasts may span calls.
 
     Args:
         order (`Sequence[str]`): Every module component, in the pipeline's order.
@@ -57,7 +57,7 @@ class ResidencyPolicy(Policy):
         zero_copy (`bool`, defaults to `True`): Whether evictions are free (zero-copy eviction) when the policy
             counts the bytes it moves against stock's.
         dynamic_capacity (`bool`, defaults to `False`): Whether `Facts.capacity` will bound the room (free device
-            memory read before onloads, on CUDA); plans then hold value tables even when the budget fits everything.
+            memory read before onloads, on CUDA); forecasts then hold value tables even when the budget fits everything.
     """
 
     def __init__(
@@ -92,14 +92,14 @@ class ResidencyPolicy(Policy):
         self.exact = len(self.offloaded) <= max_exact
         self.zero_copy = bool(zero_copy)
         self.dynamic_capacity = bool(dynamic_capacity)
-        self.planner = Planner(None, self.keep_between, cache if cache is not None else {})
+        self.forecaster = Forecaster(None, self.keep_between, cache if cache is not None else {})
         self._resize()
         self.shadow = StockShadow(self.chain, self.hooked, self.zero_copy)
         self._version = self.calls.version
         self._uses_since_arm = 0
         #: Components streaming beside the resident ones in this call, predicted to run no more in it.
         self.beside: Set[str] = set()
-        self._start_plan()
+        self._start_forecast()
         for name in self.calls.current:
             self._advance(name)
 
@@ -121,7 +121,7 @@ class ResidencyPolicy(Policy):
         if calls.version != self._version or self._uses_since_arm:
             self._version = calls.version
             self._uses_since_arm = 0
-            self._start_plan()
+            self._start_forecast()
         return NOTHING
 
     def on_use(self, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
@@ -158,14 +158,14 @@ class ResidencyPolicy(Policy):
         self.beside.clear()
         self._uses_since_arm = 0
         self._version = self.calls.version
-        self._start_plan()
+        self._start_forecast()
         return self._arm(resident)
 
     def on_call_end(self, resident: AbstractSet[str], facts: Facts) -> Decision:
         self.beside.clear()
         self._uses_since_arm = 0
         self._version = self.calls.version
-        self.planner.end_call(self.model, self._decisions_possible())
+        self.forecaster.end_call(self.model, self._decisions_possible())
         return self._arm(resident)
 
     def on_shared_load(self, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
@@ -198,24 +198,24 @@ class ResidencyPolicy(Policy):
     def _advance(self, name: str) -> None:
         self._uses_since_arm += 1
         self.shadow.use(name, self.sizes, self.avail)
-        self.planner.advance(name)
+        self.forecaster.advance(name)
 
     def _decisions_possible(self) -> bool:
         fits = self.avail is None or sum(self.sizes[n] for n in self.offloaded) <= self.avail
         return not fits or self.dynamic_capacity
 
-    def _start_plan(self) -> None:
-        self.planner.start(self.model, self._decisions_possible())
+    def _start_forecast(self) -> None:
+        self.forecaster.start(self.model, self._decisions_possible())
 
     def _resize(self) -> None:
         stays_bytes = sum(self.sizes[n] for n in self.stays if n in self.sizes)
         self.avail = None if self.budget is None else max(int(self.budget) - stays_bytes, 0)
         self.universe = Universe(self.offloaded, self.sizes, self.avail) if self.exact else None
-        self.planner.universe = self.universe
-        self.planner.plan = None
+        self.forecaster.universe = self.universe
+        self.forecaster.forecast = None
 
     def _measure(self, facts: Facts, names: List[str]) -> None:
-        """Take the components' current sizes; when one changed, the plan's tables are stale."""
+        """Take the components' current sizes; when one changed, the forecast's tables are stale."""
         changed = [n for n in names if n in facts.sizes and int(facts.sizes[n]) != self.sizes.get(n)]
         if changed:
             self.sizes.update({n: int(facts.sizes[n]) for n in changed})
@@ -247,7 +247,7 @@ def stream_beside(policy: ResidencyPolicy, name: str, others: List[str], keep: S
         wrong += policy.sizes[name] + sum(policy.sizes[n] for n in others if n not in policy.shadow.holds)
     if policy.shadow.fits and policy.shadow.credit < wrong:
         return None
-    upcoming = policy.planner.upcoming(policy.calls.current, policy.model, policy.chain, bool(policy.calls.history))
+    upcoming = policy.forecaster.upcoming(policy.calls.current, policy.model, policy.chain, bool(policy.calls.history))
     rest = upcoming[: upcoming.index(END)] if END in upcoming else upcoming
     room = limit - sum(policy.sizes[n] for n in others)
     least = facts.stream_rooms.get(name)
@@ -264,12 +264,12 @@ def choose(policy: ResidencyPolicy, name: Optional[str], others: List[str], limi
     learned = bool(policy.calls.history)
     tables = []
     if name is not None and not learned:
-        tables = policy.planner.first_call_guesses(policy.calls.current or [name], policy.model, policy.chain)
+        tables = policy.forecaster.first_call_guesses(policy.calls.current or [name], policy.model, policy.chain)
     if len(tables) < 2:
-        tables = [policy.planner.values(policy.calls.current, policy.model, policy.chain, learned)]
+        tables = [policy.forecaster.values(policy.calls.current, policy.model, policy.chain, learned)]
     keep = exact_choice(policy.universe, name, others, room, tables, policy.shadow)
     if len(tables) > 1:
-        policy.planner.plan = None  # the next events tell which guess was right; plan again then
+        policy.forecaster.forecast = None  # the next events tell which guess was right; forecast again then
     return keep
 
 
@@ -284,6 +284,6 @@ def load_again(policy: ResidencyPolicy, name: str, resident: AbstractSet[str], f
 
 def choose_greedy(policy: ResidencyPolicy, others: List[str], room: int) -> Set[str]:
     """Above `max_exact` components: which of `others` to keep within `room` bytes, by the greedy rule."""
-    upcoming = policy.planner.upcoming(policy.calls.current, policy.model, policy.chain, bool(policy.calls.history))
+    upcoming = policy.forecaster.upcoming(policy.calls.current, policy.model, policy.chain, bool(policy.calls.history))
     protected = policy.shadow.protected(others, policy.sizes, room)
     return greedy_choice(upcoming, others, policy.sizes, room, protected)

@@ -1,5 +1,5 @@
 """`BlockStreams`: the components of one pipeline that run block by block because they are larger than the room the
-budget leaves them: their stream plans and streamers, and what each streamer learned (the order its blocks ran in,
+budget leaves them: their block choices and streamers, and what each streamer learned (the order its blocks ran in,
 how often each ran) for its next start; and `stream_room`, the fact the policy is told of how little room a
 component can stream in."""
 
@@ -10,7 +10,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Set, Tuple
 from diffusers.utils import logging
 
 from ..blocks import REST, find_blocks
-from ..policies import DEPTH, Item, StreamPlan, least_room, plan_stream
+from ..policies import DEPTH, Item, BlockChoice, least_room, choose_blocks
 from ..transfer.ring import aligned_nbytes, streamable
 from ..transfer.streaming import BlockStreamer
 from ..units import format_size
@@ -64,21 +64,21 @@ def _forced(blocks) -> list:
 
 def stream_room(module) -> Optional[int]:
     """The fewest device bytes `module` can stream its blocks in (its rest, any block larger than the ring's buffers,
-    the ring); `None` when it cannot stream at all. A plan exists (`stream_plan`) for any room at least this."""
+    the ring); `None` when it cannot stream at all. A choice exists (`block_choice`) for any room at least this."""
     items, blocks, _ = _items(module)
     return None if items is None else least_room(items, depth=DEPTH, forced=_forced(blocks))
 
 
-def stream_plan(module, room: int, uses: Optional[Dict[str, int]] = None) -> Tuple[Optional[StreamPlan], list, str]:
-    """`(plan, blocks, why not)`: how `module` streams within `room` bytes (`policies.blocks.plan_stream` over its
-    blocks, its rest kept, each block weighed by `uses`, 1 if not given); the plan is `None` when it cannot stream,
+def block_choice(module, room: int, uses: Optional[Dict[str, int]] = None) -> Tuple[Optional[BlockChoice], list, str]:
+    """`(choice, blocks, why not)`: how `module` streams within `room` bytes (`policies.blocks.choose_blocks` over its
+    blocks, its rest kept, each block weighed by `uses`, 1 if not given); the choice is `None` when it cannot stream,
     and `why not` says why."""
     items, blocks, why = _items(module, uses)
     if items is None:
         return None, blocks, why
     forced = _forced(blocks)
-    plan = plan_stream(items, room, depth=DEPTH, forced=forced)
-    if plan is None:
+    choice = choose_blocks(items, room, depth=DEPTH, forced=forced)
+    if choice is None:
         least = least_room(items, depth=DEPTH, forced=forced)
         need, have = format_size(least), format_size(room)
         if need == have:
@@ -88,7 +88,7 @@ def stream_plan(module, room: int, uses: Optional[Dict[str, int]] = None) -> Tup
             f"buffers and a ring of {DEPTH + 1} buffers, and it has {have}"
         )
         return None, blocks, why
-    return plan, blocks, ""
+    return choice, blocks, ""
 
 
 def _tensors(block):
@@ -105,17 +105,17 @@ class BlockStreams:
     def __init__(self, record: Callable) -> None:
         self.record = record
         self.active: Dict[str, BlockStreamer] = {}
-        self.plans: Dict[str, StreamPlan] = {}
+        self.choices: Dict[str, BlockChoice] = {}
         self.learned: Dict[str, tuple] = {}  # name -> (block order, block uses) of its last stream
         self.said: Set[str] = set()  # components whose streaming (or failure to) was logged
 
-    def start(self, name: str, module, room: int, transfer, check: bool) -> Tuple[Optional[StreamPlan], str]:
+    def start(self, name: str, module, room: int, transfer, check: bool) -> Tuple[Optional[BlockChoice], str]:
         """Start streaming component `name` (`module`) within `room` bytes through `transfer` (`check`: fingerprint
-        its kept blocks); `(plan, "")`, or `(None, why not)` with nothing changed. Its blocks are weighed by the uses
+        its kept blocks); `(choice, "")`, or `(None, why not)` with nothing changed. Its blocks are weighed by the uses
         they had the last time it streamed."""
         order, uses = self.learned.get(name, (None, {}))
-        plan, blocks, why = stream_plan(module, room, uses)
-        if plan is None:
+        choice, blocks, why = block_choice(module, room, uses)
+        if choice is None:
             return None, why
         if transfer.pinning is not None:
             transfer.pinning.prepare(module, type(module).__name__)
@@ -126,7 +126,7 @@ class BlockStreams:
         streamer = BlockStreamer(
             module,
             blocks,
-            plan,
+            choice,
             transfer.device,
             transfer.copier(),
             emit,
@@ -134,25 +134,25 @@ class BlockStreams:
             check=check,
             passes=max(uses.values()) if uses else None,
         )
-        self.active[name], self.plans[name] = streamer, plan
+        self.active[name], self.choices[name] = streamer, choice
         streamer.start()
         transfer.record(module, True)
-        return plan, ""
+        return choice, ""
 
     def begin(self, name: str, module, overflow, transfer, check: bool) -> bool:
         """Run component `name`, larger than the room the budget leaves it (`overflow.limit`), block by block within
         that room (True: the caller records it on the device); where it cannot stream, False, with a warning: the
         caller loads it whole (alone)."""
-        plan, why = self.start(name, module, overflow.limit, transfer, check)
+        choice, why = self.start(name, module, overflow.limit, transfer, check)
         said = name in self.said
         self.said.add(name)
-        if plan is not None:
+        if choice is not None:
             if not said:
                 logger.info(
                     f"`{name}` ({format_size(overflow.nbytes)}) does not fit in the room the memory budget leaves it "
-                    f"({format_size(overflow.limit)}): it streams. {len(plan.kept)} of "
-                    f"{len(plan.kept) + len(plan.streamed)} blocks stay on the device ({format_size(plan.kept_bytes)}), "
-                    f"the others pass through {plan.slots} buffers of {format_size(plan.slot_bytes)} as they run."
+                    f"({format_size(overflow.limit)}): it streams. {len(choice.kept)} of "
+                    f"{len(choice.kept) + len(choice.streamed)} blocks stay on the device ({format_size(choice.kept_bytes)}), "
+                    f"the others pass through {choice.slots} buffers of {format_size(choice.slot_bytes)} as they run."
                 )
             return True
         if not said:
@@ -185,15 +185,15 @@ class BlockStreams:
             streamer.settle()
 
     def _learn(self, name: str, streamer: BlockStreamer) -> None:
-        self.plans.pop(name, None)
+        self.choices.pop(name, None)
         if any(streamer.uses.values()):
             self.learned[name] = (tuple(streamer.runs), dict(streamer.uses))
 
     def status(self, name: str) -> Optional[BlockStatus]:
-        streamer, plan = self.active.get(name), self.plans.get(name)
-        if streamer is None or plan is None:
+        streamer, choice = self.active.get(name), self.choices.get(name)
+        if streamer is None or choice is None:
             return None
         per_pass = sum(streamer.streamed[n].nbytes for n in streamer.order)
         return BlockStatus(
-            tuple(plan.kept), tuple(streamer.order), plan.ring_bytes, plan.slots, plan.device_bytes, per_pass
+            tuple(choice.kept), tuple(streamer.order), choice.ring_bytes, choice.slots, choice.device_bytes, per_pass
         )

@@ -103,7 +103,7 @@ class BlockStreamer:
     Args:
         component (`torch.nn.Module`): The component.
         blocks (`Sequence[Block]`): Its blocks (`blocks.find_blocks`).
-        plan (`StreamPlan`): Which blocks stay, and the ring's size.
+        plan (`BlockChoice`): Which blocks stay, and the ring's size.
         device (`torch.device`): The execution device.
         copier (`Copier`): How ring buffers are filled (`Transfer.copier()`).
         emit (`Emit`): Told of every block move.

@@ -1,5 +1,5 @@
-"""The residency policy's view of the future: the predicted events of this call and the next ones, and the exact
-value tables over resident sets for them, cached across calls and policies of one pipeline."""
+"""The residency policy's forecast: the predicted events of this call and the next ones, and the exact value tables
+over resident sets for them, cached across calls and policies of one pipeline."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from .prediction import chain_after, predict_rest
 CACHE_ENTRIES = 32
 
 
-class Plan:
+class Forecast:
     """Predicted events (`END` between calls), the position of the next one, and the value tables before each."""
 
     __slots__ = ("model", "events", "terminal", "tables", "pos")
@@ -26,11 +26,11 @@ class Plan:
         self.pos = 0
 
 
-class Planner:
-    """Plans for one universe of offloaded components.
+class Forecaster:
+    """Forecasts for one universe of offloaded components.
 
     Args:
-        universe (`Universe` or `None`): The components as bit masks; `None` when there are too many for exact plans
+        universe (`Universe` or `None`): The components as bit masks; `None` when there are too many for exact tables
             (then only the predicted events are kept).
         keep_between (`bool`): Whether components stay on the device from one call to the next.
         cache (`dict`): Value tables shared by the policies of one pipeline.
@@ -40,7 +40,7 @@ class Planner:
         self.universe = universe
         self.keep_between = keep_between
         self.cache = cache
-        self.plan: Optional[Plan] = None
+        self.forecast: Optional[Forecast] = None
 
     def _key(self, kind: str, model: Tuple[str, ...]) -> tuple:
         u = self.universe
@@ -60,57 +60,59 @@ class Planner:
         return found
 
     def start(self, model: Tuple[str, ...], decisions_possible: bool) -> None:
-        """Plan from the start of a call: the model call, repeated over one period of the steady state."""
+        """Forecast from the start of a call: the model call, repeated over one period of the steady state."""
         if self.universe is None or not decisions_possible:
             # No decision to make (or no exact one): the steady values are computed if ever needed.
-            self.plan = Plan(model, list(model) + [END])
+            self.forecast = Forecast(model, list(model) + [END])
             return
         steady, period = self.steady(model)
-        self.plan = Plan(model, (list(model) + [END]) * period, steady, self.cache.get(self._key("tables", model)))
+        self.forecast = Forecast(
+            model, (list(model) + [END]) * period, steady, self.cache.get(self._key("tables", model))
+        )
 
     def advance(self, name: str) -> None:
-        """`name` ran: move along the plan, or drop it when the call went another way."""
-        plan = self.plan
-        if plan is not None:
-            if plan.pos < len(plan.events) and plan.events[plan.pos] == name:
-                plan.pos += 1
+        """`name` ran: move along the forecast, or drop it when the call went another way."""
+        forecast = self.forecast
+        if forecast is not None:
+            if forecast.pos < len(forecast.events) and forecast.events[forecast.pos] == name:
+                forecast.pos += 1
             else:
-                self.plan = None
+                self.forecast = None
 
     def end_call(self, model: Tuple[str, ...], decisions_possible: bool) -> None:
-        """A call ended: step over the plan's `END`, or plan afresh from `model` (the call that just ended)."""
-        plan = self.plan
-        if plan is not None and plan.pos < len(plan.events) and plan.events[plan.pos] == END:
-            plan.pos += 1
+        """A call ended: step over the forecast's `END`, or forecast afresh from `model` (the call that just ended)."""
+        forecast = self.forecast
+        if forecast is not None and forecast.pos < len(forecast.events) and forecast.events[forecast.pos] == END:
+            forecast.pos += 1
         else:
-            plan = None
-        if plan is None or plan.pos >= len(plan.events) or plan.model != model:
+            forecast = None
+        if forecast is None or forecast.pos >= len(forecast.events) or forecast.model != model:
             self.start(model, decisions_possible)
         else:
-            self.plan = plan
+            self.forecast = forecast
 
     def values(self, current: Sequence[str], model: Tuple[str, ...], chain: Sequence[str], learned: bool):
         """Value table (per resident mask) before the next predicted event."""
-        plan = self.plan
-        if plan is None:
+        forecast = self.forecast
+        if forecast is None:
             rest = predict_rest(current, model, chain=chain, learned=learned)
             # Before any trace is recorded, the next calls are predicted to repeat this one as seen so far plus
             # its predicted rest (closer to the truth than the chain order once the call has shown its shape).
             future = model if learned else tuple(current) + tuple(rest)
-            plan = self.plan = Plan(model, rest + [END], self.steady(future)[0])
-        if plan.tables is None:
-            if plan.terminal is None:
-                plan.terminal = self.steady(plan.model)[0]
-            plan.tables = self.universe.backward(plan.events, plan.terminal, self.keep_between)
-            if plan.events and plan.pos == 0 and not current:
-                self._remember(self._key("tables", plan.model), plan.tables)
-        return plan.tables[min(plan.pos, len(plan.tables) - 1)]
+            forecast = self.forecast = Forecast(model, rest + [END], self.steady(future)[0])
+        if forecast.tables is None:
+            if forecast.terminal is None:
+                forecast.terminal = self.steady(forecast.model)[0]
+            forecast.tables = self.universe.backward(forecast.events, forecast.terminal, self.keep_between)
+            if forecast.events and forecast.pos == 0 and not current:
+                self._remember(self._key("tables", forecast.model), forecast.tables)
+        return forecast.tables[min(forecast.pos, len(forecast.tables) - 1)]
 
     def upcoming(self, current: Sequence[str], model: Tuple[str, ...], chain: Sequence[str], learned: bool):
         """The predicted events from now on, this call's rest and (when components stay between calls) the next."""
-        plan = self.plan
-        if plan is not None:
-            rest = plan.events[plan.pos :]
+        forecast = self.forecast
+        if forecast is not None:
+            rest = forecast.events[forecast.pos :]
         else:
             rest = predict_rest(current, model, chain=chain, learned=learned) + [END]
         return rest + list(model) if self.keep_between else rest
