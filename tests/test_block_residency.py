@@ -12,13 +12,8 @@ from hypothesis import strategies as st
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: block residency")
 
 from diffusers_offload_ext.blocks import REST, block_sizes, find_blocks  # noqa: E402
-from diffusers_offload_ext.policies import (
-    Item,
-    keep_most_used,
-    least_room,
-    choose_blocks,
-    streamed_bytes,
-)  # noqa: E402
+from diffusers_offload_ext.policies import Item, blocks_ahead, choose_blocks, keep_most_used, least_room  # noqa: E402
+from diffusers_offload_ext.policies import streamed_bytes  # noqa: E402
 
 pytestmark = pytest.mark.plugin_only
 
@@ -185,3 +180,16 @@ def test_bad_items_are_refused(items, room, depth, message):
 def test_too_many_blocks_are_refused_before_any_work():
     with pytest.raises(ValueError, match="at most 4096"):
         choose_blocks([Item(i, 1, 1) for i in range(5000)], 10)
+
+
+def test_the_block_prefetch_schedule():
+    """`blocks_ahead`, the "when" of streamed blocks: the next `depth` along the order they ran in; before the first
+    block runs and past the end of a forward only while another forward is expected (never on a first stream)."""
+    order = ["b0", "b1", "b2", "b3"]
+    assert blocks_ahead(order, None, 2) == []  # a first stream: nothing known ahead of the first block
+    assert blocks_ahead(order, None, 2, passes=3) == ["b0", "b1"]
+    assert blocks_ahead(order, "b1", 2) == ["b2", "b3"]
+    assert blocks_ahead(order, "b3", 2) == []  # the end of a forward that may be the last
+    assert blocks_ahead(order, "b3", 2, uses=1, passes=3) == ["b0", "b1"]  # into the next forward
+    assert blocks_ahead(order, "b2", 2, uses=3, passes=3) == ["b3"]  # the last forward: not past its end
+    assert blocks_ahead(order, "b9", 2, passes=3) == []  # a block that did not run before

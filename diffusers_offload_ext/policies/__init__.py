@@ -1,5 +1,6 @@
 """Policies: which component moves when. Pure Python: no torch device, no hook, no runtime."""
 
+from .block_prefetch import blocks_ahead
 from .blocks import DEPTH, BlockChoice, Item, choose_blocks, keep_most_used, least_room, streamed_bytes
 from .base import NOTHING, Decision, Facts, Move, Overflow, Policy, apply
 from .chain import ChainPolicy
@@ -27,6 +28,7 @@ __all__ = [
     "ReplayedMove",
     "ResidencyPolicy",
     "apply",
+    "blocks_ahead",
     "choose_blocks",
     "keep_most_used",
     "least_room",

@@ -10,7 +10,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Set, Tuple
 from diffusers.utils import logging
 
 from ..blocks import REST, find_blocks
-from ..policies import DEPTH, Item, BlockChoice, least_room, choose_blocks
+from ..policies import DEPTH, blocks_ahead, Item, BlockChoice, least_room, choose_blocks
 from ..transfer.ring import aligned_nbytes, streamable
 from ..transfer.streaming import BlockStreamer
 from ..units import format_size
@@ -133,6 +133,7 @@ class BlockStreams:
             order=order,
             check=check,
             passes=max(uses.values()) if uses else None,
+            schedule=blocks_ahead,
         )
         self.active[name], self.choices[name] = streamer, choice
         streamer.start()

@@ -110,15 +110,26 @@ class BlockStreamer:
         order (`Sequence[str]`, *optional*): The order the streamed blocks ran in last time (module order if not
             given); the prefetch follows it, and learns the real order from the first pass.
         check (`bool`, defaults to `True`): Fingerprint the kept blocks (False: their eviction always copies back).
-        passes (`int`, *optional*): How many forwards the component is expected to run (as many as last time): the
-            prefetch runs ahead across the end of a forward into the next one, except after the last (and never
-            when not given).
+        passes (`int`, *optional*): How many forwards the component is expected to run (as many as last time).
+        schedule (`Callable`): Which blocks to prefetch, `(order, running block or None, depth, its uses, passes) ->
+            blocks` (`policies.blocks_ahead`: the "when" is a policy's).
     """
 
     def __init__(
-        self, component, blocks, plan, device, copier: Copier, emit: Emit, order=None, check=True, passes=None
+        self,
+        component,
+        blocks,
+        plan,
+        device,
+        copier: Copier,
+        emit: Emit,
+        order=None,
+        check=True,
+        passes=None,
+        *,
+        schedule,
     ) -> None:
-        self.passes, self.inference_parameters = passes, has_inference_parameters(component)
+        self.passes, self.inference_parameters, self.schedule = passes, has_inference_parameters(component), schedule
         self.component, self.device, self.copier, self.emit, self.check = component, device, copier, emit, check
         self.depth = max(plan.slots - 1, 1)
         self.kept = [b for b in blocks if b.name in set(plan.kept)]
@@ -158,9 +169,8 @@ class BlockStreamer:
             self._handles.append(
                 block.module.register_forward_pre_hook(lambda m, a, name=block.name: self._count(name))
             )
-        if self.passes is not None:  # the order is known: the first blocks cross while the rest runs
-            for name in self.runs[: self.depth]:
-                self._load(name, ahead=True)
+        for name in self.schedule(self.runs, None, self.depth, 0, self.passes):  # cross while the rest runs
+            self._load(name, ahead=True)
 
     def settle(self) -> None:
         """Release every block in the ring (a failed call left one running, or prefetches were never used)."""
@@ -258,16 +268,7 @@ class BlockStreamer:
             self.seen.append(name)
 
     def _prefetch(self, name: str) -> None:
-        if name not in self.runs:
-            return  # a block that did not run before: nothing known to follow it
-        runs = self.runs
-        index = runs.index(name)
-        # Past the end of a forward into the next only when one is expected (never on a first stream: no bytes for a
-        # forward that may not come).
-        last = self.passes is None or self.uses[name] >= self.passes
-        upcoming = [runs[(index + k) % len(runs)] for k in range(1, self.depth + 1)]
-        if last:
-            upcoming = upcoming[: max(len(runs) - 1 - index, 0)]
+        upcoming = self.schedule(self.runs, name, self.depth, self.uses[name], self.passes)
         for wanted in dict.fromkeys(upcoming):
             if wanted == name or self.streamed[wanted].slot is not None:
                 continue
