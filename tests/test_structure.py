@@ -276,3 +276,37 @@ def test_the_session_write_finder_finds_writes():
         "probe:5 changes `resident`",
         "probe:6 setattr",
     ]
+
+
+README = PACKAGE.parent / "README.md"
+
+
+def test_the_readme_says_the_import_rules():
+    table = README.read_text().split("<!-- import rules:", 1)[1].split("\n\n", 1)[0]
+    said = {}
+    for line in table.splitlines():
+        if line.startswith("| `"):
+            layers, forbidden = line.strip("| ").split(" | ")
+            for layer in layers.split(", "):
+                said[layer.strip("`")] = set(forbidden.split(", "))
+    assert said == RULES
+
+
+def test_the_signature_the_adapter_the_docstring_and_the_readme_are_the_options_table():
+    import inspect
+
+    from diffusers_offload_ext.runtime import methods, options, overrides
+
+    def own(self, gpu_id=None, device=None):
+        """A class's own method."""
+
+    for method in (methods.enable_model_cpu_offload, overrides.adapt(own)):
+        parameters = inspect.signature(method).parameters.values()
+        keyword = [(p.name, p.default) for p in parameters if p.kind is p.KEYWORD_ONLY]
+        assert keyword == [(name, None) for name in options.NEW_OPTIONS]
+    doc = methods.enable_model_cpu_offload.__doc__
+    assert "{options}" not in doc
+    for option in options.OPTIONS:
+        assert f"{option.name} ({option.types}, *optional*, defaults to {option.default}):" in doc
+    begin = "<!-- options table: made from diffusers_offload_ext/runtime/options.py by tools/options_table.py -->"
+    assert f"{begin}\n{options.markdown_table()}\n<!-- end of the options table -->" in README.read_text()
