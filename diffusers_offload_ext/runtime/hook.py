@@ -4,9 +4,9 @@ one off."""
 
 from __future__ import annotations
 
-import torch
 from typing import Dict
 
+import torch
 from accelerate.hooks import CpuOffload, UserCpuOffloadHook, add_hook_to_module, remove_hook_from_module
 from accelerate.utils import send_to_device
 

@@ -14,7 +14,7 @@ from diffusers.utils import logging
 from ..calls import StepBar
 from ..layout import modules_of
 from ..marks import MARK, STOCK, get_session
-from .arming import arm, arm_again, unchanged, refresh_budget, validate
+from .arming import arm, arm_again, validate
 from .hook import detach
 from .options import docstring, signature, take
 from .session import unpin
@@ -66,8 +66,8 @@ def enable_model_cpu_offload(
 
     arguments = take("enable_model_cpu_offload", options)
     session = get_session(self)
-    if session is not None and all(v is None for v in arguments.values()) and unchanged(self, session, gpu_id, device):
-        refresh_budget(session)
+    if session is not None and all(v is None for v in arguments.values()):
+        arm_again(self, session, gpu_id, device)
     else:
         session = arm(self, validate(self, session, gpu_id, device, **arguments))
     session.rearm()
@@ -121,19 +121,26 @@ def maybe_free_model_hooks(self) -> None:
         return STOCK["maybe_free_model_hooks"](self)
     if session.calls.in_call and not session.calls.ended:
         return _end_of_call(self, session, failed=False)
-    _reset_stateful_hooks(self)
-    if getattr(self, "_all_hooks", None):
-        arm_again(self, session, device=getattr(self, "_offload_device", None))
+    if _free_like_stock(self, session):
         session.rearm()
 
 
+def _free_like_stock(pipe, session) -> bool:
+    """What stock's `maybe_free_model_hooks()` does before it arms offload again: its stateful hooks reset; then,
+    where offload hooks are in place (stock stops there otherwise), the pipeline armed again if it changed. Returns
+    whether offload is armed again (its moves are the caller's)."""
+    _reset_stateful_hooks(pipe)
+    if not getattr(pipe, "_all_hooks", None):
+        return False
+    arm_again(pipe, session, device=getattr(pipe, "_offload_device", None))
+    return True
+
+
 def _end_of_call(pipe, session, failed: bool) -> None:
-    """The end of the call in progress: what stock's `maybe_free_model_hooks()` does first (its stateful hooks reset,
-    the pipeline armed again where it changed), then the session's end of call, with the failure."""
+    """The end of the call in progress: what stock's `maybe_free_model_hooks()` does first, then the session's end of
+    call, told whether the call failed."""
     try:
-        _reset_stateful_hooks(pipe)
-        if getattr(pipe, "_all_hooks", None):
-            arm_again(pipe, session, device=getattr(pipe, "_offload_device", None))
+        _free_like_stock(pipe, session)
         session.end_of_call(failed)
     except Exception:
         if not failed:

@@ -4,7 +4,7 @@ is asked; the transfer carries the decision out; every move is recorded once, in
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from diffusers.utils import logging
