@@ -18,6 +18,7 @@ import time
 import torch
 
 from diffusers_offload_ext.transfer import fingerprint as current
+from diffusers_offload_ext.transfer.bandwidth import best_seconds
 
 
 def previous_module(commit: str):
@@ -33,18 +34,6 @@ def previous_module(commit: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def best(run, repeats: int, synchronize) -> float:
-    run()
-    synchronize()
-    seconds = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        synchronize()
-        seconds = min(seconds, time.perf_counter() - start)
-    return seconds
 
 
 def main(argv=None) -> int:
@@ -69,9 +58,11 @@ def main(argv=None) -> int:
     if args.previous:
         old = previous_module(args.previous)
         runs[f"fingerprints at {args.previous}"] = lambda: old.fingerprints(tensors)
-    seconds = {label: best(run, args.repeats, sync) for label, run in runs.items()}
+    seconds = {label: best_seconds(run, args.repeats, sync) for label, run in runs.items()}
     read = seconds["plain read (int64 sum)"]
-    print(f"{nbytes / 1e6:.0f} MB of bfloat16 weights in {len(tensors)} tensors, {device}, 1 thread, best of {args.repeats}:")
+    print(
+        f"{nbytes / 1e6:.0f} MB of bfloat16 weights in {len(tensors)} tensors, {device}, 1 thread, best of {args.repeats}:"
+    )
     for label, value in seconds.items():
         print(f"  {label:<28} {value:.4f} s  {nbytes / value / 1e9:6.2f} GB/s  {value / read:5.2f}x one plain read")
     return 0

@@ -130,7 +130,10 @@ def fingerprints(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
     device = parts[0].device
     # Made per call, not cached: two threads fingerprinting on one device never share them.
     size = min(CHUNK, max(p.numel() for p in parts))
-    scratch = (torch.empty(size, dtype=torch.int64, device=device), torch.empty(size, dtype=torch.int64, device=device))
+    scratch = (
+        torch.empty(size, dtype=torch.int64, device=device),
+        torch.empty(size, dtype=torch.int64, device=device),
+    )
     sums: List[torch.Tensor] = []
     for part in parts:
         _fold(part, sums, scratch)
