@@ -1,11 +1,14 @@
-"""Seconds to fingerprint a bfloat16 component-like set of tensors (64 of 1M elements, 400 of 3072), on the CPU with
-one thread: this version's batched `fingerprints` against the per-element, per-tensor version of commit 39fccac
-(read with `git show`, so run it from a git checkout). Times on a shared machine are noise except as a ratio within
-one run.
+"""What change detection costs, as a ratio to one plain read of the same bytes in the same run: `fingerprints` of a
+bfloat16 component-like set of tensors (64 of 1M elements, 400 of 3072) against `torch.sum` of the same bytes read
+as int64 words (the fastest full read torch offers) and against `.sum()` in bfloat16 (what `benchmarks/gpu_probes.py`
+compares with), on the CPU with one thread, best of `--repeats`; with `--previous COMMIT` also that commit's
+`fingerprints` (read with `git show`, so run it from a git checkout). Times on a shared machine are noise except as
+ratios within one run. The goal (issue 22) is at most 1.5x one plain read.
 
-    PYTHONPATH=. python benchmarks/fingerprint_cost.py
+    PYTHONPATH=. python benchmarks/fingerprint_cost.py [--previous a4ef570] [--device cuda]
 """
 
+import argparse
 import importlib.util
 import subprocess
 import sys
@@ -15,13 +18,12 @@ import time
 import torch
 
 from diffusers_offload_ext.transfer import fingerprint as current
+from diffusers_offload_ext.transfer.bandwidth import best_seconds
 
-PREVIOUS = "39fccac"
 
-
-def previous_module():
+def previous_module(commit: str):
     source = subprocess.run(
-        ["git", "show", f"{PREVIOUS}:diffusers_offload_ext/transfer/fingerprint.py"],
+        ["git", "show", f"{commit}:diffusers_offload_ext/transfer/fingerprint.py"],
         check=True,
         capture_output=True,
         text=True,
@@ -34,27 +36,35 @@ def previous_module():
     return module
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--previous", help="also time this commit's fingerprints")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    tensors = [torch.randn(1 << 20).to(torch.bfloat16) for _ in range(64)]
-    tensors += [torch.randn(3072).to(torch.bfloat16) for _ in range(400)]
+    device = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    tensors = [torch.randn(1 << 20).to(torch.bfloat16).to(device) for _ in range(64)]
+    tensors += [torch.randn(3072).to(torch.bfloat16).to(device) for _ in range(400)]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    old = previous_module()
+    words = [t.view(torch.int64) for t in tensors]  # every size here is a multiple of 8 bytes
     runs = {
-        f"previous ({PREVIOUS})": lambda: torch.stack([old.fingerprint(t) for t in tensors]),
-        "current": lambda: current.fingerprints(tensors),
+        "plain read (int64 sum)": lambda: [w.sum() for w in words],
+        "plain read (bf16 sum)": lambda: [t.sum() for t in tensors],
+        "fingerprints": lambda: current.fingerprints(tensors),
     }
-    best = {}
-    for _ in range(3):
-        for label, run in runs.items():
-            start = time.perf_counter()
-            run()
-            best[label] = min(best.get(label, float("inf")), time.perf_counter() - start)
-    print(f"{nbytes / 1e6:.0f} MB of bfloat16 weights in {len(tensors)} tensors, CPU, 1 thread, best of 3:")
-    for label, seconds in best.items():
-        print(f"  {label:<20} {seconds:.3f} s")
-    print(f"  ratio {best[f'previous ({PREVIOUS})'] / best['current']:.1f}x")
+    if args.previous:
+        old = previous_module(args.previous)
+        runs[f"fingerprints at {args.previous}"] = lambda: old.fingerprints(tensors)
+    seconds = {label: best_seconds(run, args.repeats, sync) for label, run in runs.items()}
+    read = seconds["plain read (int64 sum)"]
+    print(
+        f"{nbytes / 1e6:.0f} MB of bfloat16 weights in {len(tensors)} tensors, {device}, 1 thread, best of {args.repeats}:"
+    )
+    for label, value in seconds.items():
+        print(f"  {label:<28} {value:.4f} s  {nbytes / value / 1e9:6.2f} GB/s  {value / read:5.2f}x one plain read")
     return 0
 
 

@@ -17,7 +17,8 @@ pytest.importorskip("diffusers_offload_ext", reason="plugin-only: block streamin
 import diffusers_offload_ext as doe  # noqa: E402
 from diffusers_offload_ext.blocks import REST, block_sizes  # noqa: E402
 from diffusers_offload_ext.testing import tiny  # noqa: E402
-from diffusers_offload_ext.testing.copy_stream import fake_copy_stream  # noqa: E402
+from diffusers_offload_ext.testing.page_locking import fake_page_locking  # noqa: E402
+from diffusers_offload_ext.testing.copy_stream import fake_cuda  # noqa: E402
 from diffusers_offload_ext.transfer.ring import ALIGN, Ring, aligned_nbytes  # noqa: E402
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.usefixtures("installed")]
@@ -123,8 +124,8 @@ def held_and_runs(pipe, sim):
 def test_streamed_blocks_are_onloaded_before_and_released_after_they_run_within_the_ring(prefetch, reference):
     pipe = deep_flux()
     budget = int(transformer_bytes(pipe) * 0.8)
-    with fake_copy_stream() as made, SimulatedAccelerator() as sim:
-        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, prefetch=prefetch)
+    with fake_page_locking(), SimulatedAccelerator() as sim, fake_cuda() as cuda:
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, prefetch=prefetch, pin_memory=True)
         plan = []
         pipe(  # the first call learns the order
             **tiny.call_kwargs(NAME, pipe=pipe),
@@ -135,9 +136,8 @@ def test_streamed_blocks_are_onloaded_before_and_released_after_they_run_within_
         runs = held_and_runs(pipe, sim)
         image = tiny.run(pipe, NAME)
     assert max_abs_diff(image, reference) == 0.0
-    if prefetch:
-        log = [what for what, _ in made[0].log if what in ("copy", "wait")]
-        assert log.count("copy") >= log.count("wait") > 0  # copies completed only when waited on
+    # With a copy stream, the blocks crossed on it (copies that land only when waited on); never from pageable memory.
+    assert bool(cuda.issued) == prefetch and cuda.pageable_async == 0
     records = doe.transfer_ledger(pipe).records
     order, streamed = list(plan[0].blocks.streamed), set(plan[0].blocks.streamed)
     assert order == [name for name, _, _ in runs if name in streamed][: len(order)]  # the order they ran in
@@ -178,8 +178,8 @@ def test_the_budget_holds_at_every_move_ring_and_prefetches_included():
         statuses.append(doe.offload_status(p).components["transformer"].blocks)
         return kwargs
 
-    with fake_copy_stream(), SimulatedAccelerator():
-        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, prefetch=True)
+    with fake_page_locking(), SimulatedAccelerator(), fake_cuda():
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, prefetch=True, pin_memory=True)
         for _ in range(2):
             pipe(**tiny.call_kwargs(NAME, pipe=pipe), callback_on_step_end=callback)
     ring = statuses[0].ring_bytes
@@ -468,72 +468,29 @@ def test_a_component_streamed_beside_the_others_that_runs_again_loads_whole_and_
     assert [r.call_index for r in whole] == [0, 1] and all(r.nbytes == sizes["transformer"] for r in whole)
 
 
-class FakeCuda:
-    """Stands in for `torch.cuda`'s streams and events: records what the CUDA copier asks for, in order."""
+def test_the_cuda_copier_queues_a_copy_after_the_block_and_the_block_after_its_copy():
+    """`CudaCopier` over the fake of `torch.cuda`: a copy asked for in a block's pre-hook is queued only at the
+    block's `mark` (after its kernels), on the copy stream, after the compute stream's use of the buffer (here its
+    allocation: a fresh buffer); the buffer holds garbage for compute until `wait`."""
+    from diffusers_offload_ext.transfer import make_transfer
 
-    def __init__(self):
-        self.log = []
-        self.current = self.Stream("compute", self)
-
-    class Stream:
-        def __init__(self, name, cuda):
-            self.name, self.cuda = name, cuda
-
-        def wait_event(self, event):
-            self.cuda.log.append((self.name, "waits", event.name))
-
-        def synchronize(self):
-            self.cuda.log.append((self.name, "synchronize"))
-
-    def Event(self):
-        cuda = self
-
-        class Event:
-            def __init__(self):
-                self.name = f"event{sum(1 for entry in cuda.log if entry[1] == 'records')}"
-
-            def record(self, stream):
-                cuda.log.append((stream.name, "records", self.name))
-
-        return Event()
-
-    def current_stream(self, device=None):
-        return self.current
-
-    def stream(self, stream):
-        import contextlib
-
-        @contextlib.contextmanager
-        def on():
-            saved, self.current = self.current, stream
-            yield
-            self.current = saved
-
-        return on()
-
-
-def test_the_cuda_copier_orders_copies_after_the_readers_and_compute_after_the_copies(monkeypatch):
-    from diffusers_offload_ext.transfer.ring import CudaCopier
-
-    fake = FakeCuda()
-    for name in ("Event", "current_stream", "stream"):
-        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
-    copy_stream = FakeCuda.Stream("copy", fake)
-    copier = CudaCopier(copy_stream, torch.device("cuda", 0))
-    seen = []
-    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, non_blocking=False: seen.append(non_blocking))
-    freed = copier.mark()  # the compute work that read the buffer
-    token = copier.copy([(torch.zeros(2), torch.ones(2))], after=freed)
-    copier.wait(token)
-    copier.drain()
-    assert seen == [True]  # a non-blocking copy
-    assert fake.log == [
-        ("compute", "records", "event0"),  # mark: on the compute stream
-        ("copy", "waits", "event0"),  # the copy stream waits for the readers of the buffer
-        ("copy", "records", "event1"),  # the copy is done when this event is
-        ("compute", "waits", "event1"),  # the block runs after its copy
-        ("copy", "synchronize"),  # before the ring is let go
-    ]
+    with fake_page_locking() as (memory, store), SimulatedAccelerator() as sim, fake_cuda() as cuda:
+        weights = torch.nn.Linear(8, 8)
+        store.prepare(weights, "linear")
+        transfer = make_transfer(sim.device, prefetch=True)
+        transfer.pinning = store
+        ring = Ring(sim.device, 1024, 2)  # allocated on the compute stream
+        host = weights.weight.detach()
+        view = ring.views(0, [host])[0]
+        copier = transfer.copier()
+        token = copier.copy([(view, host)])
+        assert cuda.issued == []  # asked for, not queued yet
+        copier.mark()  # the block's kernels were queued
+        assert len(cuda.issued) == 1 and torch.isnan(view).all()  # in flight
+        copier.wait(token)
+        assert torch.equal(view.cpu(), host)
+        copier.drain()
+    assert cuda.pageable_async == 0 and cuda.host_waits == 0
 
 
 @pytest.mark.parametrize("name", tiny.PIPELINES)

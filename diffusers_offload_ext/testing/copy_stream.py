@@ -1,106 +1,362 @@
-"""`fake_copy_stream`: a stand-in for the CUDA copy stream on the simulated accelerator. A prefetched component's
-device weights exist at once but hold NaN (zeros for integers) until `ready` is called, as a CUDA copy still in
-flight would hold garbage: a component run before its prefetch was waited on gives a wrong image."""
+"""`fake_cuda`: a stand-in for `torch.cuda`'s streams and events on the simulated accelerator (`cpu:0`), so that the
+transfer's own CUDA code (`transfer/copy_stream.py`, `transfer/ring.py`, `transfer/synchronous.py`) runs in the tests,
+with the semantics it depends on modelled adversarially:
+
+- **in flight until waited on**: a non-blocking copy from page-locked memory on a side stream lands when the compute
+  stream waits for an event recorded after it, or the host synchronises; until then its destination holds NaN (zeros
+  for integers) for the compute stream, so a layer run too early gives a wrong image. Work queued on the side stream
+  after the copy sees it (stream order), and an event's `query()` is false until then;
+- **pageable copies hold the host**: a non-blocking copy from memory that is not page-locked (as
+  `testing/page_locking.py`'s fake says; all memory is pageable without it) runs at once, counted in `host_waits` and
+  `pageable_async`; so does every blocking copy between host and device, on any stream (`host_waits`);
+- **stream order**: the compute stream runs eagerly; each of its operations is numbered, and every device storage it
+  touches (allocates, reads or writes) remembers the last number. A copy queued on a side stream into a storage the
+  compute stream touched after the last point the side stream waited for (`wait_event`, `wait_stream`) may land
+  before that use on a GPU: it raises `StreamOrderError`;
+- **per-stream pools**: memory allocated while a side stream is current is recorded (`side_allocations`): the
+  caching allocator would never hand it to the compute stream;
+- **torn reads**: host memory unregistered while a copy from it is in flight (told by the page-locking fake) makes
+  that copy deliver NaN.
+
+Enter it inside a `SimulatedAccelerator` (it reads which tensors are on the device from it).
+"""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-from ..transfer import COPY_STREAMS, Moved, SyncTransfer
-from ..transfer.ring import Copier
+from ..transfer import COPY_STREAMS, synchronous
+from . import page_locking
 
-
-class FakeCopyStreamTransfer(SyncTransfer):
-    """A `SyncTransfer` whose prefetches complete only at `ready`; `log` lists `("prefetch" | "ready", module)`."""
-
-    asynchronous = True
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
-        self._inflight: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.log: List[Tuple[str, torch.nn.Module]] = []
-
-    def prefetch(self, module: torch.nn.Module, *, keep_host: bool, check: bool = True) -> Moved:
-        moved = self.onload(module, keep_host=keep_host, check=check, non_blocking=True)
-        held = []
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            data = tensor.data  # a view without the parameter's version counter: the poison is not an "edit"
-            held.append((data, data.clone()))
-            data.fill_(float("nan") if data.is_floating_point() else 0)
-        self._inflight[id(module)] = held
-        self.log.append(("prefetch", module))
-        return moved
-
-    @property
-    def pending(self) -> bool:
-        return bool(self._inflight)
-
-    def ready(self, module: torch.nn.Module) -> None:
-        held = self._inflight.pop(id(module), None)
-        if held is not None:
-            for data, value in held:
-                data.copy_(value)
-            self.log.append(("ready", module))
-
-    def copier(self) -> "FakeCopier":
-        return FakeCopier(self.log)
-
-    def flush(self) -> None:
-        for key in list(self._inflight):
-            for data, value in self._inflight.pop(key):
-                data.copy_(value)
+_Tensor = torch.Tensor
 
 
-class FakeCopier(Copier):
-    """A ring-buffer copier whose copies complete only at `wait`: until then the buffer holds NaN (zeros for
-    integers), as a CUDA copy still in flight would hold garbage; `log` gets `("copy" | "wait", view count)`."""
+class StreamOrderError(RuntimeError):
+    """A side-stream copy is not ordered after the compute stream's use of the memory it writes."""
 
-    asynchronous = True
 
-    def __init__(self, log: list) -> None:
-        self.log = log
-        self._inflight: Dict[int, list] = {}
+class _Copy:
+    """One copy queued on a side stream: its destination, the bytes it will deliver, the host pages it reads."""
 
-    def copy(self, pairs, after=None):
-        token = object()
-        with torch.no_grad():
-            for view, _ in pairs:
-                view.fill_(float("nan") if view.is_floating_point() else 0)
-        self._inflight[id(token)] = list(pairs)
-        self.log.append(("copy", len(pairs)))
-        return token
+    __slots__ = ("dst", "value", "pages", "torn", "issued", "clock")
 
-    def wait(self, token) -> None:
-        pairs = self._inflight.pop(id(token), None) if token is not None else None
-        if pairs is not None:
-            with torch.no_grad():
-                for view, host in pairs:
-                    view.copy_(host)
-            self.log.append(("wait", len(pairs)))
+    def __init__(self, dst: torch.Tensor, value: torch.Tensor, pages: set, issued: int, clock: int) -> None:
+        self.dst, self.value, self.pages, self.torn = dst, value, pages, False
+        self.issued, self.clock = issued, clock
 
-    def drain(self) -> None:
-        self._inflight.clear()
+    def deliver(self) -> None:
+        with torch._C.DisableTorchFunction():
+            if self.torn:
+                self.dst.copy_(_poison(self.value))
+            else:
+                self.dst.copy_(self.value)
+
+
+def _poison(tensor: torch.Tensor) -> torch.Tensor:
+    with torch._C.DisableTorchFunction():
+        return torch.full_like(tensor, float("nan") if tensor.is_floating_point() else 0)
+
+
+class FakeStream:
+    """A stream: the compute stream (`compute=True`) runs eagerly; a side stream queues copies until they land."""
+
+    def __init__(self, cuda: "FakeCuda", name: str, compute: bool = False) -> None:
+        self.cuda, self.name, self.compute = cuda, name, compute
+        self.queued: List[_Copy] = []  # issued copies not yet landed for the compute stream
+        self.issued = 0
+        self.landed = 0
+        self.waited = 0  # the compute stream's operation number this stream last waited for
+
+    def __repr__(self) -> str:
+        return f"FakeStream({self.name})"
+
+    def land(self, upto: Optional[int] = None) -> None:
+        """Every copy issued before number `upto` (all if `None`) lands."""
+        upto = self.issued if upto is None else upto
+        while self.queued and self.landed < upto:
+            copy = self.queued.pop(0)
+            copy.deliver()
+            self.landed += 1
+            self.cuda.landed.append((copy.issued, self.cuda.number, copy.clock))
+
+    def wait_event(self, event: "FakeEvent") -> None:
+        if event.stream is None or event.stream is self:
+            return
+        if event.stream.compute:
+            self.waited = max(self.waited, event.mark)
+        else:
+            event.stream.land(event.mark)  # this stream runs eagerly: the copies must be there before it goes on
+
+    def wait_stream(self, other: "FakeStream") -> None:
+        event = FakeEvent()
+        event.record(other)
+        self.wait_event(event)
+
+    def synchronize(self) -> None:
+        self.land()
+
+    def query(self) -> bool:
+        return not self.queued
+
+
+class FakeEvent:
+    """`torch.cuda.Event`: the point of a stream it was recorded at."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.stream: Optional[FakeStream] = None
+        self.mark = 0
+
+    def record(self, stream: Optional[FakeStream] = None) -> None:
+        self.stream = stream if stream is not None else FakeCuda.active.current
+        self.mark = self.stream.cuda.number if self.stream.compute else self.stream.issued
+
+    def query(self) -> bool:
+        return self.stream is None or self.stream.compute or self.stream.landed >= self.mark
+
+    def synchronize(self) -> None:
+        if self.stream is not None and not self.stream.compute:
+            self.stream.land(self.mark)
+
+    def wait(self, stream: Optional[FakeStream] = None) -> None:
+        (stream or FakeCuda.active.current).wait_event(self)
+
+
+def _device_argument(args: tuple, kwargs: dict):
+    """`(device, non_blocking)` of a `Tensor.to(...)` call (`device` `None` when it names none)."""
+    device, non_blocking = kwargs.get("device"), kwargs.get("non_blocking", False)
+    for arg in args[1:]:
+        if isinstance(arg, (str, torch.device)) and device is None:
+            device = arg
+        elif isinstance(arg, bool):
+            non_blocking = arg
+    return (torch.device(device) if device is not None else None), non_blocking
+
+
+class FakeCuda(TorchFunctionMode):
+    """The fake's state: the streams, the numbered compute operations, and what was counted.
+
+    Attributes:
+        host_waits (`int`): Copies between host and device that held the host (blocking ones, pageable ones).
+        pageable_async (`int`): Of those, the ones asked to be non-blocking (from pageable memory).
+        side_allocations (`Dict[int, torch.Tensor]`): Device storages allocated while a side stream was current.
+        issued (`List[int]`): The compute operation number at which each side-stream copy was queued.
+        landed (`List[Tuple[int, int, int]]`): `(queued at, landed at, clock when queued)` of each landed copy: compute
+            operation numbers, and the `clock` (every call the fake sees ticks it).
+        waits (`List[str]`): What held the host, one entry per copy counted in `host_waits`.
+        transfers (`list`): The `CopyStreamTransfer`s made for `prefetch=True`.
+    """
+
+    active: Optional["FakeCuda"] = None
+
+    def __init__(self, sim) -> None:
+        super().__init__()
+        self.sim = sim
+        self.number = 0
+        self.clock = 0
+        self.touched: Dict[int, int] = {}
+        self.compute_stream = FakeStream(self, "compute", compute=True)
+        self.current = self.compute_stream
+        self.side: List[FakeStream] = []
+        self.host_waits = self.pageable_async = 0
+        self.side_allocations: Dict[int, torch.Tensor] = {}
+        self.issued: List[int] = []
+        self.landed: List[Tuple[int, int, int]] = []
+        self.waits: List[str] = []
+        self.transfers: list = []
+
+    # -- torch.cuda -------------------------------------------------------------------------------------------------
+    def new_stream(self, device=None, priority=0, **kwargs) -> FakeStream:
+        self.side.append(FakeStream(self, f"side{len(self.side)}"))
+        return self.side[-1]
+
+    @contextlib.contextmanager
+    def stream(self, stream: Optional[FakeStream]):
+        saved = self.current
+        self.current = stream if stream is not None else saved
+        try:
+            yield
+        finally:
+            if not self.current.compute:
+                self._show(self.current, False)  # what compute sees of copies it did not wait for: garbage
+            self.current = saved
+
+    def synchronize(self, device=None) -> None:
+        for stream in self.side:
+            stream.land()
+
+    # -- operations ---------------------------------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.clock += 1
+        if func is _Tensor.copy_ or func is _Tensor.to:
+            moved = self._transfer(func, args, kwargs)
+            if moved is not NotImplemented:
+                return moved
+        if not self.current.compute:
+            self._show(self.current, True)  # later work on a stream sees its earlier copies
+        result = func(*args, **kwargs)
+        self._account(args, kwargs, result)
+        return result
+
+    def _ptr(self, tensor: torch.Tensor) -> int:
+        with torch._C.DisableTorchFunction():
+            return tensor.untyped_storage().data_ptr()
+
+    def _on_device(self, tensors) -> list:
+        return [t for t in tensors if isinstance(t, _Tensor) and self.sim.is_on_device(t)]
+
+    def _account(self, args, kwargs, result) -> None:
+        inputs = [*args, *kwargs.values()]
+        inputs += [t for a in inputs if isinstance(a, (list, tuple)) for t in a]
+        outputs = list(result) if isinstance(result, (list, tuple)) else [result]
+        if self.current.compute:
+            used = self._on_device(inputs + outputs)
+            if used:  # an operation on the device
+                self.number += 1
+            for tensor in used:
+                self.touched[self._ptr(tensor)] = self.number
+        else:
+            known = {self._ptr(t) for t in self._on_device(inputs)}
+            for tensor in self._on_device(outputs):
+                if self._ptr(tensor) not in known:  # new memory, not a view
+                    self.side_allocations[self._ptr(tensor)] = tensor  # kept alive: its address stays its own
+
+    def _show(self, stream: FakeStream, visible: bool) -> None:
+        with torch._C.DisableTorchFunction():
+            for copy in stream.queued:
+                copy.dst.copy_(copy.value if visible else _poison(copy.value))
+
+    def _transfer(self, func, args, kwargs):
+        if func is _Tensor.copy_:
+            dst, src = args[0], args[1]
+            non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+            to_device = self.sim.is_on_device(dst) and not self.sim.is_on_device(src)
+            crosses = to_device or (self.sim.is_on_device(src) and not self.sim.is_on_device(dst))
+        else:
+            src = args[0]
+            device, non_blocking = _device_argument(args, kwargs)
+            to_device = device == self.sim.device and not self.sim.is_on_device(src)
+            crosses = to_device or (device is not None and device.type == "cpu" and device.index is None
+                                    and self.sim.is_on_device(src))  # fmt: skip
+        if not crosses:
+            return NotImplemented
+        memory = page_locking.active()
+        nbytes = src.numel() * src.element_size()
+        locked = to_device and (not nbytes or (memory is not None and memory.locked(src.data_ptr(), nbytes)))
+        if not nbytes:
+            return func(*args, **kwargs)  # nothing to copy: PyTorch returns at once
+        if not (non_blocking and locked):
+            self.host_waits += 1
+            self.waits.append(f"{'h2d' if to_device else 'd2h'} {func.__name__} {tuple(src.shape)}")
+            self.pageable_async += bool(non_blocking)
+            self.current.land()
+            result = func(*args, **kwargs)
+            self._account(args, kwargs, result)
+            return result
+        if self.current.compute:
+            result = func(*args, **kwargs)
+            self._account(args, kwargs, result)
+            return result
+        return self._queue(func, args, kwargs, src, memory, nbytes)
+
+    def _queue(self, func, args, kwargs, src, memory, nbytes):
+        stream = self.current
+        if func is _Tensor.copy_:
+            last = self.touched.get(self._ptr(args[0]), 0)
+            if last > stream.waited:
+                raise StreamOrderError(
+                    f"a copy on {stream.name} writes device memory the compute stream used at operation {last}, "
+                    f"after the last point {stream.name} waited for ({stream.waited}): on a GPU it may land first"
+                )
+        result = func(*args, **kwargs)  # the simulator counts the bytes; they are held back until they land
+        dst = args[0] if func is _Tensor.copy_ else result
+        if func is _Tensor.to:
+            self.side_allocations[self._ptr(dst)] = dst
+        with torch._C.DisableTorchFunction():
+            value = dst.clone()
+            dst.copy_(_poison(value))
+        pages = set(memory.pages(src.data_ptr(), nbytes))
+        stream.queued.append(_Copy(dst, value, pages, self.number, self.clock))
+        stream.issued += 1
+        self.issued.append(self.number)
+        return result
+
+    def torn(self, pages: set) -> None:
+        """Host `pages` were unregistered (the page-locking fake tells): copies reading them deliver garbage."""
+        for stream in self.side:
+            for copy in stream.queued:
+                copy.torn = copy.torn or bool(copy.pages & pages)
+
+
+_PATCHED = ("Stream", "Event", "current_stream", "default_stream", "stream", "synchronize")
 
 
 @contextlib.contextmanager
-def fake_copy_stream() -> Iterator[List[FakeCopyStreamTransfer]]:
-    """Within the block, `prefetch=True` on a `cpu` device (the simulated accelerator) gets a `FakeCopyStreamTransfer`;
-    yields the list of those made."""
-    made: List[FakeCopyStreamTransfer] = []
+def fake_cuda() -> Iterator[FakeCuda]:
+    """Within the block (entered inside a `SimulatedAccelerator`), `torch.cuda`'s streams and events are the fake's,
+    the simulated accelerator's transfers use them (`STREAM_DEVICES`), and `prefetch=True` on it gets the real
+    `CopyStreamTransfer`. Yields the `FakeCuda`."""
+    modes = torch.overrides._get_current_function_mode_stack()
+    sims = [m for m in modes if getattr(m, "_is_simulated_accelerator", False)]
+    if not sims:
+        raise RuntimeError("enter `fake_cuda()` inside a `SimulatedAccelerator()`: it reads where tensors are from it")
+    from ..transfer.copy_stream import CopyStreamTransfer
 
-    def factory(device: torch.device) -> FakeCopyStreamTransfer:
-        made.append(FakeCopyStreamTransfer(device))
-        return made[-1]
+    cuda = FakeCuda(sims[-1])
+    saved = {name: getattr(torch.cuda, name) for name in _PATCHED}
+    devices = getattr(synchronous, "STREAM_DEVICES", set())
+    saved_streamed, had_cpu = COPY_STREAMS.get("cpu"), "cpu" in devices
 
-    saved = COPY_STREAMS.get("cpu")
-    COPY_STREAMS["cpu"] = factory
+    def streamed(device):
+        cuda.transfers.append(CopyStreamTransfer(device))
+        return cuda.transfers[-1]
+
+    replacements = dict(
+        Stream=cuda.new_stream,
+        Event=FakeEvent,
+        current_stream=lambda device=None: cuda.current,
+        default_stream=lambda device=None: cuda.compute_stream,
+        stream=cuda.stream,
+        synchronize=cuda.synchronize,
+    )
+    for name, value in replacements.items():
+        setattr(torch.cuda, name, value)
+    saved_record = torch.Tensor.__dict__.get("record_stream")
+    torch.Tensor.record_stream = lambda tensor, stream: None  # its arguments are parsed before any mode sees them
+    COPY_STREAMS["cpu"] = streamed
+    devices.add("cpu")
+    memory = page_locking.active()
+    if memory is not None:
+        memory.readers.append(cuda)
+    FakeCuda.active = cuda
     try:
-        yield made
+        with cuda:
+            yield cuda
     finally:
-        if saved is None:
+        FakeCuda.active = None
+        cuda.synchronize()
+        if memory is not None:
+            memory.readers.remove(cuda)
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
+        if saved_record is None:
+            del torch.Tensor.record_stream
+        else:
+            torch.Tensor.record_stream = saved_record
+        if saved_streamed is None:
             COPY_STREAMS.pop("cpu", None)
         else:
-            COPY_STREAMS["cpu"] = saved
+            COPY_STREAMS["cpu"] = saved_streamed
+        if not had_cpu:
+            devices.discard("cpu")
+
+
+@contextlib.contextmanager
+def fake_copy_stream() -> Iterator[List]:
+    """`fake_cuda()` yielding the list of `CopyStreamTransfer`s made (enter it inside a `SimulatedAccelerator`)."""
+    with fake_cuda() as cuda:
+        yield cuda.transfers

@@ -49,10 +49,11 @@ def measure(
         locked = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         kinds["h2d_page_locked"] = lambda: on_device.copy_(locked)
         kinds["d2h_page_locked"] = lambda: locked.copy_(on_device)
-    return {kind: nbytes / _best(copy, repeats, synchronize) for kind, copy in kinds.items()}
+    return {kind: nbytes / best_seconds(copy, repeats, synchronize) for kind, copy in kinds.items()}
 
 
-def _best(copy: Callable[[], object], repeats: int, synchronize: Callable[[], None]) -> float:
+def best_seconds(copy: Callable[[], object], repeats: int, synchronize: Callable[[], None]) -> float:
+    """The shortest of `repeats` runs of `copy` (after one warm-up), each ended by `synchronize`."""
     copy()  # warm-up
     synchronize()
     best = float("inf")

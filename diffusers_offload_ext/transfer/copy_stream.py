@@ -1,11 +1,17 @@
 """`CopyStreamTransfer`: prefetches on a CUDA copy stream, so that the next component's weights cross the bus while the
 current one computes; the compute stream waits on an event before the prefetched component runs. Not run in CI (no
-GPU); the tests drive the same interface with a fake on the simulated accelerator.
+GPU): the tests drive this very code with a fake of `torch.cuda`'s streams (`testing/copy_stream.py`) that models their
+semantics on the simulated accelerator.
 
-Memory safety: the copy stream first waits for everything already queued on the compute stream, so device memory
-freed by an eviction (whose readers were queued before) is never rewritten by a later prefetch before they ran;
-blocks allocated on the copy stream return to its own pool, so compute-stream allocations never reuse them early. An
-eviction or any move made outside waits for a pending prefetch first (`ready`, `flush`).
+Only page-locked memory is prefetched: a non-blocking copy from pageable memory holds the host for the whole copy
+(measured on an H200), so a component whose host memory is not all page-locked (`pin_memory=False`, a page-lock
+refused or over budget) is loaded synchronously instead, with one log line.
+
+Memory safety: the prefetched weights are allocated on the compute stream (the caching allocator keeps a pool per
+stream: memory allocated on the copy stream could never be reused by compute), then the copy stream waits for
+everything queued on the compute stream (the readers of memory an eviction freed, and those allocations) before it
+writes them; `record_stream` keeps them from being reused before the copies are done. An eviction or any move made
+outside waits for a pending prefetch first (`ready`, `flush`).
 """
 
 from __future__ import annotations
@@ -13,12 +19,14 @@ from __future__ import annotations
 from typing import Dict
 
 import torch
+from diffusers.utils import logging
 
 from .base import Moved
-from .inference import moves_ordinary_tensors
-from .ring import CudaCopier
 from .book import BOOK, Book
+from .ring import CudaCopier
 from .synchronous import SyncTransfer
+
+logger = logging.get_logger(__name__)
 
 
 class CopyStreamTransfer(SyncTransfer):
@@ -30,17 +38,52 @@ class CopyStreamTransfer(SyncTransfer):
         super().__init__(device, book)
         self.stream = torch.cuda.Stream(device)
         self._events: Dict[int, torch.cuda.Event] = {}
+        self._ahead = False
+        self._said = set()
 
-    @moves_ordinary_tensors
     def prefetch(self, module: torch.nn.Module, *, keep_host: bool, check: bool = True) -> Moved:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        self._ahead = True
+        try:
+            return self.onload(module, keep_host=keep_host, check=check)
+        finally:
+            self._ahead = False
+
+    def _copy_in(self, module: torch.nn.Module, locked: bool, sealed) -> None:
+        if not self._ahead or not locked:
+            if self._ahead:
+                self._synchronously(module)
+            return super()._copy_in(module, locked, sealed)
+        compute = torch.cuda.current_stream(self.device)
+        pairs = []
+
+        def allocate(tensor: torch.Tensor) -> torch.Tensor:
+            # On the compute stream: its pool, so that compute can reuse this memory once it is freed.
+            target = torch.empty_like(tensor, device=self.device)
+            pairs.append((target, tensor.detach()))  # the host data: `_apply` then points a parameter at `target`
+            return target
+
+        module._apply(allocate)
+        self.stream.wait_stream(compute)  # after the allocations and every reader of the memory they reuse
+        with torch.no_grad(), torch.cuda.stream(self.stream):
+            for target, source in pairs:
+                target.copy_(source, non_blocking=True)
+                target.record_stream(self.stream)
             # The host copy's seal (its fingerprint) runs here too: on the copy stream, off the compute path.
-            moved = self.onload(module, keep_host=keep_host, check=check, non_blocking=True)
+            if sealed is not None:
+                sealed.seal(module)
             event = torch.cuda.Event()
             event.record(self.stream)
         self._events[id(module)] = event
-        return moved
+        self.pinning.fence_module(module, event, self.stream)
+
+    def _synchronously(self, module: torch.nn.Module) -> None:
+        name = type(module).__name__
+        if name not in self._said:
+            self._said.add(name)
+            logger.warning(
+                f"`{name}` is not in page-locked host memory (`pin_memory`): a copy from pageable memory would hold the "
+                "host for the whole copy, so it is loaded synchronously instead of prefetched"
+            )
 
     @property
     def pending(self) -> bool:
@@ -52,7 +95,7 @@ class CopyStreamTransfer(SyncTransfer):
             torch.cuda.current_stream(self.device).wait_event(event)
 
     def copier(self) -> CudaCopier:
-        return CudaCopier(self.stream, self.device)
+        return CudaCopier(self.stream, self.device, self.pinning)
 
     def flush(self) -> None:
         compute = torch.cuda.current_stream(self.device)

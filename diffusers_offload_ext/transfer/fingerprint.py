@@ -1,12 +1,18 @@
-"""Content fingerprints of device tensors: a 64-bit value that any change of a tensor's bits changes, whatever its
-dtype, computed on the tensor's own device.
+"""Content fingerprints of device tensors: a vector of 64-bit words that any change of the tensors' bits changes,
+whatever their dtype, computed on their own device in one read of their bytes.
 
-Each element's bits, read as an integer of the element's width, are mixed with a pseudo-random word derived from the
-element's position (and the chunk it falls in) and passed through the splitmix64 finaliser, a bijection with full
-avalanche; the fingerprint is the sum of the mixed words modulo 2**64. A change of any set of elements changes the sum
-unless the pseudo-random differences cancel, which happens with probability about 2**-64 whatever the change: sign
-flips, single-bit flips at any position, element swaps. (A plain or linearly weighted sum of the raw bits is not
-enough: flipping the top bit of every element of a float64 tensor with an even number of elements wraps both away.)
+The bytes are read as 64-bit words (the last few of a tensor one byte per word) in chunks of `CHUNK` words. Each
+chunk is combined once with a pseudo-random word per position, into a scratch buffer small enough to stay in the
+processor's cache (the only read of the weights from memory), then mixed in place there (multiply, xor-shift,
+multiply, xor-shift: a bijection whose output bits each depend on every input bit) and summed modulo 2**64. The
+fingerprint is the vector of those sums, one per chunk, in a fixed order: a chunk's sum changes unless the
+pseudo-random differences of its changed words cancel (about 2**-64 for any change: sign flips, single-bit flips at
+any position, element swaps), and contents moved between chunks or tensors change the vector's order. (A plain or
+linearly weighted sum of the raw bits is not enough: flipping the top bit of every element of a float64 tensor with
+an even number of elements wraps both away.)
+
+No tensor is cloned and nothing is read back to the host: `same` compares two fingerprints on the device and returns
+a device flag, read once by the eviction that needs it.
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-#: Elements fingerprinted per step (bounds the temporary memory: a few int64 buffers of this length).
-CHUNK = 1 << 22
+#: Words mixed per step: the scratch buffers (three of this many int64 words) stay in the cache.
+CHUNK = 1 << 18
 #: Integer dtypes by element size; 16-byte elements (complex128) are read as two int64 words.
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+#: Tensors below this many bytes are fingerprinted together: a few kernels for all of them.
+SMALL = 1 << 20
 
 
 def _signed(value: int) -> int:
@@ -30,44 +38,37 @@ def _signed(value: int) -> int:
 _C1 = _signed(0xBF58476D1CE4E5B9)
 _C2 = _signed(0x94D049BB133111EB)
 _GOLDEN = _signed(0x9E3779B97F4A7C15)
-_LOW = {shift: (1 << (64 - shift)) - 1 for shift in (27, 30, 31)}
-_positions: Dict[Tuple[torch.device, int], torch.Tensor] = {}
+_SHIFTS = (31, 29)
+_LOW = {shift: (1 << (64 - shift)) - 1 for shift in (27, 29, 30, 31)}
+_positions: Dict[torch.device, torch.Tensor] = {}
+
+
+def _xorshift_(x: torch.Tensor, tmp: torch.Tensor, shift: int) -> None:
+    """`x ^= x >>> shift` (a logical shift made from an arithmetic one and a mask), through `tmp`."""
+    torch.bitwise_right_shift(x, shift, out=tmp)
+    tmp.bitwise_and_(_LOW[shift])
+    x.bitwise_xor_(tmp)
 
 
 def _mix_(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 words, in place (logical shifts made from arithmetic ones and a mask)."""
-    x.bitwise_xor_((x >> 30) & _LOW[30])
-    x.mul_(_C1)
-    x.bitwise_xor_((x >> 27) & _LOW[27])
-    x.mul_(_C2)
+    """splitmix64's finaliser on int64 words, in place (small vectors only: it allocates its temporaries)."""
+    for shift, factor in ((30, _C1), (27, _C2)):
+        x.bitwise_xor_((x >> shift) & _LOW[shift])
+        x.mul_(factor)
     x.bitwise_xor_((x >> 31) & _LOW[31])
     return x
 
 
-def _mix_int(value: int) -> int:
-    """The same finaliser on one Python int (chunk salts)."""
-    mask = (1 << 64) - 1
-    value &= mask
-    value ^= value >> 30
-    value = (value * (_C1 & mask)) & mask
-    value ^= value >> 27
-    value = (value * (_C2 & mask)) & mask
-    value ^= value >> 31
-    return _signed(value)
-
-
-def _position_words(device: torch.device, n: int) -> torch.Tensor:
-    """Pseudo-random words for positions `0..n-1` within a chunk, cached per device."""
-    words = _positions.get((device, CHUNK))
-    if words is None or words.numel() < n or words.device != device:
-        size = min(max(n, 1 << 16), CHUNK)
-        words = _mix_(torch.arange(1, size + 1, dtype=torch.int64, device=device) * _GOLDEN)
-        _positions[(device, CHUNK)] = words
-    return words[:n]
+def _position_words(device: torch.device) -> torch.Tensor:
+    """The pseudo-random word of each position in a chunk, on `device`, made once (read-only, shared)."""
+    words = _positions.get(device)
+    if words is None or words.device != device:
+        words = _positions[device] = _mix_(torch.arange(1, CHUNK + 1, dtype=torch.int64, device=device) * _GOLDEN)
+    return words
 
 
 def fingerprintable(tensor: torch.Tensor) -> bool:
-    """Whether `fingerprint` can read `tensor`'s bits: a plain dense tensor of a supported element size."""
+    """Whether `fingerprints` can read `tensor`'s bits: a plain dense tensor of a supported element size."""
     return (
         type(tensor) in _PLAIN_TYPES
         and tensor.layout == torch.strided
@@ -77,54 +78,76 @@ def fingerprintable(tensor: torch.Tensor) -> bool:
     )
 
 
-def _words(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`'s bits as a fresh 1-D int64 tensor: eight bytes per word where the bytes are 8-aligned (a bfloat16
-    tensor gives a quarter of its element count), then the remaining bytes one per word."""
-    raw = tensor.detach().reshape(-1).contiguous()
-    raw = raw.view(torch.uint8)
-    main = raw.numel() // 8 * 8 if raw.storage_offset() % 8 == 0 else 0
-    parts = [raw[:main].view(torch.int64).clone()] if main else []
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a 1-D uint8 tensor, without a copy where it is contiguous."""
+    return tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def _words(raw: torch.Tensor) -> List[torch.Tensor]:
+    """`raw` (uint8) as int64 words: a view of its 8-byte words where its start is 8-aligned, and its remaining bytes
+    one per word (a small copy)."""
+    main = raw.numel() // 8 * 8 if raw.data_ptr() % 8 == 0 else 0
+    parts = [raw[:main].view(torch.int64)] if main else []
     if main < raw.numel():
         parts.append(raw[main:].to(torch.int64))
-    if not parts:
-        return torch.zeros(0, dtype=torch.int64, device=raw.device)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return parts
 
 
-def _fold(words: torch.Tensor) -> torch.Tensor:
-    """The position-salted, mixed sum of `words` (mixed in place: they must be a copy), as a 0-dim int64 tensor."""
-    total = torch.zeros((), dtype=torch.int64, device=words.device)
-    for index, start in enumerate(range(0, words.numel(), CHUNK)):
+def _fold(words: torch.Tensor, sums: List[torch.Tensor], scratch: Tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Append the mixed, position-salted sum of each chunk of `words` to `sums` (`words` is only read; the work is
+    done in `scratch`, two int64 buffers of `CHUNK` words)."""
+    positions = _position_words(words.device)
+    for start in range(0, words.numel(), CHUNK):
         chunk = words[start : start + CHUNK]
-        chunk.bitwise_xor_(_position_words(chunk.device, chunk.numel()))
-        chunk.bitwise_xor_(_mix_int(index + 1))
-        total += _mix_(chunk).sum()
-    return total
-
-
-def fingerprint(tensor: torch.Tensor) -> Optional[torch.Tensor]:
-    """A 0-dim int64 tensor on `tensor`'s device that changes whenever any bit of `tensor` changes; `None` when the
-    tensor cannot be read that way (see `fingerprintable`)."""
-    if not fingerprintable(tensor):
-        return None
-    return _fold(_words(tensor))
-
-
-#: Tensors below this many bytes are fingerprinted together (`fingerprints`): a few kernels for all of them.
-SMALL = 1 << 20
+        n = chunk.numel()
+        x, t = scratch[0][:n], scratch[1][:n]
+        torch.bitwise_xor(chunk, positions[:n], out=x)  # the one read of the weights
+        x.mul_(_C1)
+        _xorshift_(x, t, _SHIFTS[0])
+        x.mul_(_C2)
+        _xorshift_(x, t, _SHIFTS[1])
+        sums.append(x.sum())
 
 
 def fingerprints(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
     """One int64 vector for `tensors` (all fingerprintable, on one device, in a fixed order) that changes whenever
-    any bit of any of them changes: each large tensor folded alone, the small ones concatenated and folded together.
+    any bit of any of them changes: one word per chunk of each large tensor, then of the small ones packed together.
     `None` if one of them cannot be read."""
     if not all(fingerprintable(t) for t in tensors):
         return None
-    large = [t for t in tensors if t.numel() * t.element_size() >= SMALL]
-    small = [t for t in tensors if t.numel() * t.element_size() < SMALL]
-    folded = [_fold(_words(t)) for t in large]
+    parts: List[torch.Tensor] = []
+    small = []
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes >= SMALL:
+            parts += _words(_byte_view(tensor))
+        elif nbytes:
+            small.append(_byte_view(tensor))
     if small:
-        folded.append(_fold(torch.cat([_words(t) for t in small])))
-    if not folded:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.stack(folded)
+        parts += _words(torch.cat(small))  # read once into one buffer (a new, 8-aligned allocation)
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64, device=tensors[0].device if tensors else None)
+    device = parts[0].device
+    # Made per call, not cached: two threads fingerprinting on one device never share them.
+    size = min(CHUNK, max(p.numel() for p in parts))
+    scratch = (
+        torch.empty(size, dtype=torch.int64, device=device),
+        torch.empty(size, dtype=torch.int64, device=device),
+    )
+    sums: List[torch.Tensor] = []
+    for part in parts:
+        _fold(part, sums, scratch)
+    return torch.stack(sums)
+
+
+def fingerprint(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """`fingerprints([tensor])`: an int64 vector on `tensor`'s device, `None` if it cannot be read."""
+    return fingerprints([tensor])
+
+
+def same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> torch.Tensor:
+    """Whether fingerprints `a` and `b` are equal, as a 0-dim bool tensor on their device: no host synchronisation
+    until it is read."""
+    if a is None or b is None or a.shape != b.shape or a.device != b.device:
+        return torch.tensor(False)
+    return torch.eq(a, b).all()

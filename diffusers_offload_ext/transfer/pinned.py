@@ -2,18 +2,18 @@
 onloads copy from page-locked memory.
 
 `Tensor.pin_memory()` would copy each tensor into a new allocation rounded up to a power of two (1.7-1.9x host memory
-in reports); this store instead registers each existing storage at its exact size with the device driver, one
-storage at a time, every return code checked. It holds a reference to every storage it registered, so that no
-registered memory is ever freed before it is unregistered; it lets go of a component's storages when they stop
-being its weights (a copy-back into new host memory, a structure change), when the component is garbage collected,
-and on `release`.
+in reports); this store instead registers each existing storage with the device driver where it lies (safetensors'
+mapped weights included: measured fastest on an H200, `docs/benchmarks-gpu.md`), through a `Locker` that leaves no
+error behind (`locking.py`) and one process-wide, page-granular record of what is registered (`page_ranges.py`):
+nothing is registered twice (a storage two components share, two storages sharing a page), memory page-locked by
+someone else is used as it is, and nothing is unregistered before the copies that read it are done (`fence`). It lets
+go of a component's storages when they stop being its weights (a copy-back into new host memory, a structure
+change), when the component is garbage collected, and on `release`.
 
 The host budget is spent first on what moves most often: each component's onloads are counted, and a component
 that does not fit takes the place of components onloaded less often. Over budget, or when the driver refuses, the
 component stays in pageable memory, with one log line. Tensor subclasses (quantized, GGUF, ...) and sparse tensors
 stay pageable.
-
-The driver calls sit behind `Locker` (`CudaLocker` on CUDA); tests give the store a fake one.
 """
 
 from __future__ import annotations
@@ -21,44 +21,19 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from diffusers.utils import logging
+
+from .locking import Locker, cuda_locker
+from .page_ranges import PageRanges, pointer_of
 
 logger = logging.get_logger(__name__)
 
 HOST = torch.device("cpu")
 #: Of the host's memory (the smaller of physical memory and the cgroup limit), the share page-locked memory may take.
 HOST_SHARE = 0.25 if sys.platform == "win32" else 0.5
-
-
-class Locker:
-    """Registers host memory ranges with a device driver. `register`/`unregister` return the driver's code, 0 for
-    success."""
-
-    def register(self, pointer: int, nbytes: int) -> int:
-        raise NotImplementedError
-
-    def unregister(self, pointer: int) -> int:
-        raise NotImplementedError
-
-
-class CudaLocker(Locker):
-    """`cudaHostRegister` / `cudaHostUnregister` through PyTorch's CUDA runtime bindings. Not run in CI (no GPU)."""
-
-    def __init__(self) -> None:
-        self.runtime = torch.cuda.cudart()
-
-    def register(self, pointer: int, nbytes: int) -> int:
-        return _code(self.runtime.cudaHostRegister(pointer, nbytes, 0))
-
-    def unregister(self, pointer: int) -> int:
-        return _code(self.runtime.cudaHostUnregister(pointer))
-
-
-def _code(result) -> int:
-    return int(getattr(result, "value", result))
 
 
 def host_memory_bytes() -> int:
@@ -89,34 +64,40 @@ class PinnedStore:
     """
 
     def __init__(self, locker: Locker, budget: Optional[int] = None) -> None:
-        self.locker = locker
+        self.ranges = PageRanges(locker)
         self.budget = int(HOST_SHARE * host_memory_bytes()) if budget is None else budget
-        self._pins: Dict[int, Dict[int, Tuple[torch.Tensor, int]]] = {}  # component id -> data_ptr -> (tensor, bytes)
+        self._pins: Dict[int, Dict[int, int]] = {}  # component id -> storage pointer -> bytes
         self._uses: Dict[int, int] = {}
         self._finalizers: Dict[int, weakref.finalize] = {}
         self._said = set()
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(n for pins in self._pins.values() for _, n in pins.values())
+        """Bytes this store page-locked (each storage once, however many components share it)."""
+        return self.ranges.locked_bytes
 
     def bytes_of(self, module: torch.nn.Module) -> int:
         """Page-locked bytes of `module`'s storages."""
-        return sum(n for _, n in self._pins.get(id(module), {}).values())
+        return sum(self._pins.get(id(module), {}).values())
 
-    def prepare(self, module: torch.nn.Module, name: str = "") -> int:
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s storage is page-locked (a copy from it may be asynchronous)."""
+        return self.ranges.holds(pointer_of(tensor))
+
+    def prepare(self, module: torch.nn.Module, name: str = "") -> bool:
         """Before an onload from the host: count it, and make `module`'s host storages page-locked if the budget
-        allows (storages that stopped being its weights are let go). Returns its page-locked bytes."""
+        allows (storages that stopped being its weights are let go). Returns whether every one of them is."""
         key = id(module)
         self._uses[key] = self._uses.get(key, 0) + 1
         if key not in self._finalizers:
             self._finalizers[key] = weakref.finalize(module, self.release_key, key)
         wanted = self.forget_stale(module)
         pins = self._pins.setdefault(key, {})
-        missing = {p: v for p, v in wanted.items() if p not in pins}
-        if missing and self._make_room(key, sum(n for _, n in missing.values()), name):
+        missing = {p: v for p, v in wanted.items() if p not in pins and p is not None}
+        needed = sum(n for p, (_, n) in missing.items() if not self.ranges.holds(p))
+        if missing and self._make_room(key, needed, name):
             for pointer, (tensor, nbytes) in missing.items():
-                code = self.locker.register(pointer, nbytes)
+                code = self.ranges.lock(tensor, pointer, nbytes, key)
                 if code != 0:
                     self._say(
                         "refused",
@@ -124,29 +105,48 @@ class PinnedStore:
                         "pageable memory",
                     )
                     break
-                pins[pointer] = (tensor, nbytes)
-        return self.bytes_of(module)
+                pins[pointer] = nbytes
+        return len(pins) == len(wanted)
 
     def forget_stale(self, module: torch.nn.Module) -> Dict[int, Tuple[torch.Tensor, int]]:
         """Let go of the storages that are no longer `module`'s host weights; returns the ones that are."""
         key = id(module)
         wanted = _host_storages(module.parameters(), module.buffers())
-        for pointer in [p for p in self._pins.get(key, {}) if p not in wanted]:
-            self._unregister(key, pointer)
+        pins = self._pins.get(key, {})
+        for pointer in [p for p in pins if p not in wanted]:
+            del pins[pointer]
+            self.ranges.unlock(pointer, key)
         return wanted
 
+    def fence(self, tensors: Iterable[torch.Tensor], event, lane: object) -> None:
+        """Copies reading `tensors` were queued on stream `lane`: their memory stays registered until `event` is
+        done (`None`: the copies are done already)."""
+        if event is not None:
+            self.ranges.fence([pointer_of(t) for t in tensors], event, lane)
+
+    def fence_module(self, module: torch.nn.Module, event, lane: object) -> None:
+        """`fence` for every storage page-locked for `module`."""
+        if event is not None:
+            self.ranges.fence(list(self._pins.get(id(module), {})), event, lane)
+
     def release(self, module: torch.nn.Module) -> None:
-        """Unregister every storage of `module` (its offload ends, or it is no longer offloaded)."""
+        """Let go of every storage of `module` (its offload ends, or it is no longer offloaded): once the copies still
+        reading released memory are done (waited for here: never on the per-step path), it is unregistered."""
         self.release_key(id(module))
+        self.ranges.settle()
         finalizer = self._finalizers.pop(id(module), None)
         if finalizer is not None:
             finalizer.detach()
 
     def release_key(self, key: int) -> None:
         for pointer in list(self._pins.get(key, {})):
-            self._unregister(key, pointer)
+            self.ranges.unlock(pointer, key)
         self._pins.pop(key, None)
         self._uses.pop(key, None)
+
+    def settle(self) -> None:
+        """Wait for the copies still reading released memory, and unregister it."""
+        self.ranges.settle()
 
     def _make_room(self, key: int, needed: int, name: str) -> bool:
         free = self.budget - self.pinned_bytes
@@ -160,7 +160,7 @@ class PinnedStore:
             if free >= needed or uses >= mine:
                 break
             victims.append(other)
-            free += sum(n for _, n in self._pins[other].values())
+            free += sum(self._pins[other].values())
         if free < needed:
             self._say(
                 "budget",
@@ -170,14 +170,9 @@ class PinnedStore:
             return False
         for other in victims:
             for pointer in list(self._pins[other]):
-                self._unregister(other, pointer)
+                del self._pins[other][pointer]
+                self.ranges.unlock(pointer, other)
         return True
-
-    def _unregister(self, key: int, pointer: int) -> None:
-        self._pins[key].pop(pointer)
-        code = self.locker.unregister(pointer)
-        if code != 0:
-            logger.warning(f"unregistering page-locked host memory at {pointer:#x} failed (code {code})")
 
     def _say(self, what: str, message: str) -> None:
         if what not in self._said:
@@ -185,18 +180,19 @@ class PinnedStore:
             logger.warning(message)
 
 
-#: Device type -> the `Locker` that page-locks host memory for it. Tests add one for the simulated accelerator.
-LOCKERS = {"cuda": CudaLocker}
-_STORES: Dict[str, PinnedStore] = {}
+#: Device type -> makes the `Locker` that page-locks host memory for it (`None` where it cannot). Tests add one for
+#: the simulated accelerator.
+LOCKERS: Dict[str, Callable[[torch.device], Optional[Locker]]] = {"cuda": cuda_locker}
+_STORES: Dict[str, Optional[PinnedStore]] = {}
 
 
 def store_for(device: torch.device) -> Optional[PinnedStore]:
     """The process's page-locked store for `device`'s type (made on first use), or `None` where host memory cannot be
     page-locked for it."""
-    store = _STORES.get(device.type)
-    if store is None and device.type in LOCKERS:
-        store = _STORES[device.type] = PinnedStore(LOCKERS[device.type]())
-    return store
+    if device.type not in _STORES and device.type in LOCKERS:
+        locker = LOCKERS[device.type](device)
+        _STORES[device.type] = PinnedStore(locker) if locker is not None else None  # asked once
+    return _STORES.get(device.type)
 
 
 def existing_store(device: torch.device) -> Optional[PinnedStore]:
@@ -205,13 +201,17 @@ def existing_store(device: torch.device) -> Optional[PinnedStore]:
 
 
 def _host_storages(*groups: Iterable[torch.Tensor]) -> Dict[int, Tuple[torch.Tensor, int]]:
-    """`data_ptr -> (tensor, bytes)` of each distinct pinnable host storage."""
+    """`data_ptr -> (tensor, bytes)` of each distinct host storage; a tensor that cannot be page-locked (a subclass,
+    a sparse tensor) is entered under the key `None`, so that the component never counts as all page-locked."""
     found: Dict[int, Tuple[torch.Tensor, int]] = {}
     for group in groups:
         for tensor in group:
-            if tensor.device != HOST or not pinnable(tensor):
+            if tensor.device != HOST:
+                continue
+            if not pinnable(tensor):
+                found[None] = (tensor, 0)
                 continue
             storage = tensor.untyped_storage()
             if storage.nbytes() and storage.data_ptr() not in found:
-                found[storage.data_ptr()] = (tensor.detach(), storage.nbytes())
+                found[storage.data_ptr()] = (tensor.detach(), storage.nbytes())  # the tensor keeps the storage alive
     return found

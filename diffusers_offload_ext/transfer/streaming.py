@@ -86,15 +86,15 @@ def _device_of(slots) -> Optional[torch.device]:
     return None if tensor is None else tensor.device
 
 
-def _move_slots(slots, device: torch.device) -> None:
+def _move_slots(slots, device: torch.device, non_blocking: bool = False) -> None:
     """Move the tensors in `slots` to `device` (a parameter keeps its object; a buffer is replaced)."""
     with torch.no_grad():
         for sub, is_param, key in slots:
             table = sub._parameters if is_param else sub._buffers
             if is_param:
-                table[key].data = table[key].data.to(device)
+                table[key].data = table[key].data.to(device, non_blocking=non_blocking)
             else:
-                table[key] = table[key].to(device)
+                table[key] = table[key].to(device, non_blocking=non_blocking)
 
 
 class BlockStreamer:
@@ -153,14 +153,12 @@ class BlockStreamer:
         """Kept blocks to the device, the ring allocated, hooks on the streamed blocks, the first blocks prefetched."""
         for block in self.kept:
             copy = HostCopy(self.component, self.check, only=block.slots)
-            _move_slots(block.slots, self.device)
+            self.copier.onload_kept(block.slots, self.device, _move_slots)
             copy.seal(self.component)
             self.copies[block.name] = copy
             self.emit(block.name, ONLOAD, block.nbytes, COPY)
         self.ring = Ring(self.device, self.slot_bytes, self.slots)
-        self._holder = [None] * self.slots
-        self._tokens = [None] * self.slots
-        self._freed = [None] * self.slots
+        self._holder, self._tokens, self._freed = [None] * self.slots, [None] * self.slots, [None] * self.slots
         for name, block in self.streamed.items():
             pre = block.module.register_forward_pre_hook(lambda module, args, name=name: self.enter(name))
             post = block.module.register_forward_hook(lambda m, a, out, name=name: self.leave(name), always_call=True)
@@ -215,7 +213,8 @@ class BlockStreamer:
             self.ring.close()
             self.ring = None
 
-    # -- the hot path -----------------------------------------------------------------------------------------------
+    # -- the hot path (hooks torch.compile never traces) ------------------------------------------------------------
+    @torch.compiler.disable
     @streams_ordinary_tensors
     def enter(self, name: str) -> None:
         """Block `name` is about to run: its copy waited on (made now if it was not prefetched), its tensors pointed
@@ -232,6 +231,7 @@ class BlockStreamer:
         self._learn(name)
         self._prefetch(name)
 
+    @torch.compiler.disable
     def leave(self, name: str) -> None:
         """Block `name` ran: a change copied back, its host tensors put back, its buffer free for the next copy."""
         block = self.streamed[name]
@@ -244,6 +244,7 @@ class BlockStreamer:
         self._holder[slot], block.slot = None, None
         self.emit(name, OFFLOAD, block.nbytes, COPY if changed else DROP)
 
+    @torch.compiler.disable
     def _count(self, name: str) -> None:
         self.uses[name] += 1
 
