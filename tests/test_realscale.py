@@ -160,9 +160,50 @@ def test_real_scale_without_cuda_measures_nothing(realscale, capsys):
         (["--calls", "0"], "argument --calls: must be 2 to 20 (the first call is reported apart"),
         (["--height", "100"], "argument --height: must be a multiple of 16, got 100"),
         (["--budget", "lots"], "argument --budget: 'lots' is not a number of bytes"),
+        (["--only", "stock,nope"], "argument --only: unknown configuration(s) ['nope']; valid: no-offload, stock,"),
     ],
 )
 def test_bad_options_exit_2_naming_them(realscale, capsys, argv, message):
     with pytest.raises(SystemExit) as done:
         realscale.main(argv)
     assert done.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_only_runs_the_chosen_rows_in_the_tables_order_and_writes_after_each(realscale, tmp_path, monkeypatch):
+    out = tmp_path / "rows.json"
+    seen = []  # the rows the JSON file held when each row was measured
+    measure = realscale.measure
+
+    def watched(base, config, *args):
+        seen.append([r["key"] for r in json.loads(out.read_text())["rows"]] if out.exists() else None)
+        if config.key == "keep":
+            raise KeyboardInterrupt  # the run is stopped, as a time-out stops it
+        return measure(base, config, *args)
+
+    monkeypatch.setattr(realscale, "measure", watched)
+    argv = ["--scale", "tiny", "--only", "keep,stock,no-offload", "--json-out", str(out)]
+    with _Capture(), pytest.raises(KeyboardInterrupt):
+        realscale.main(argv)
+    assert seen == [None, ["no-offload"], ["no-offload", "stock"]]  # the table's order, each row written as it ended
+    assert [r["key"] for r in json.loads(out.read_text())["rows"]] == ["no-offload", "stock"]
+
+
+def test_the_gpu_check_runs_end_to_end_at_tiny_scale(tmp_path):
+    """`tools/gpu_check.sh` without CUDA: every part runs and says so, the benchmark at tiny scale, within its limit,
+    and its results are where the device tool brings files back from (at most 8 files)."""
+    import os
+    import subprocess
+    import sys
+
+    script = PATH.parent.parent / "tools" / "gpu_check.sh"
+    env = {**os.environ, "PYTHON": sys.executable, "SCALE": "tiny", "ROWS": "no-offload,stock"}
+    done = subprocess.run(["bash", str(script), str(tmp_path), "300"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["env.txt", "logs.txt", "realscale.json", "realscale.md", "summary.txt"] and len(files) <= 8
+    summary = (tmp_path / "summary.txt").read_text()
+    parts = ["probe-pagelock", "probe-pools", "probe-bandwidth", "probe-mapped", "probe-fingerprint", "probe-tiny"]
+    for part in parts + ["cuda-tests", "realscale"]:
+        assert f"{part}: exit 0" in summary, summary
+    assert [r["key"] for r in json.loads((tmp_path / "realscale.json").read_text())["rows"]] == ["no-offload", "stock"]
+    assert "No CUDA GPU here: nothing probed." in (tmp_path / "logs.txt").read_text()
