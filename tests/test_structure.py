@@ -89,6 +89,7 @@ RULES = {
     "constants.py": {"torch", "runtime", "policies", "transfer", "observe"},
     "units.py": {"torch", "runtime", "policies", "transfer", "observe"},
     "blocks.py": {"runtime", "policies", "transfer", "observe", "cli", "models", "testing"},
+    "storages.py": {"runtime", "policies", "transfer", "observe", "cli", "models", "testing"},
 }
 
 
