@@ -60,3 +60,13 @@ def test_swapping_tensors_outside_the_simulator_is_torch_s_own():
     with sa.SimulatedAccelerator():
         assert torch.utils.swap_tensors is not original
     assert torch.utils.swap_tensors is original
+
+
+def test_a_wrapper_moved_either_way_has_inner_tensors_of_its_own(sim):
+    host = Int8Rows.quantize(torch.randn(4, 8))
+    device = host.to(sim.device)  # torch runs it on the host, where the inner `.to()` copies nothing
+    assert device.qdata is not host.qdata and device.qdata.data_ptr() != host.qdata.data_ptr()
+    assert sim.is_on_device(device.qdata) and not sim.is_on_device(host.qdata)
+    back = device.to("cpu")
+    assert type(back) is Int8Rows and not sim.is_on_device(back.scale) and sim.is_on_device(device.scale)
+    assert torch.equal(back.qdata, host.qdata) and back.qdata.data_ptr() != device.qdata.data_ptr()

@@ -15,7 +15,7 @@ from diffusers.utils import logging
 from ..constants import DEFAULT_RESERVE
 from ..transfer import memory
 from ..layout import modules_of
-from ..units import MAX_BYTES, UNIT_NAMES, SizeError, format_size, parse_size
+from ..units import MAX_BYTES, UNIT_NAMES, SizeError, check_unit, format_size, parse_size
 from .transfer_options import how_bytes_move
 
 EXCLUDE = "exclude_from_offload"
@@ -170,6 +170,7 @@ def resolve_options(
     elif isinstance(memory_budget, str) and memory_budget.strip().lower() == AUTO:
         budget = None
     else:
+        check_unit(memory_budget, BUDGET, texts_only=True)  # `memory_budget="100"`: a unit left out
         budget = _size(BUDGET, memory_budget, "20GiB")
     reserve = previous.memory_reserve if memory_reserve is None else _size(RESERVE, memory_reserve, "3GiB")
     keep_between = _flag(KEEP_BETWEEN, keep_on_device_between_generations, previous.keep_between)

@@ -194,7 +194,11 @@ class SimulatedAccelerator(TorchFunctionMode):
             if on_device and result is not src:
                 self._tag(result)
             return result
-        if _aliases(result, src):
+        if type(result) not in _PLAIN and _is_wrapper(
+            result
+        ):  # copies of its inner tensors (its `clone` may not keep it)
+            result = _separate(src, result)
+        elif _aliases(result, src):
             result = result.clone()  # torch did not copy: on an accelerator it would have
         self._set_tag(result, target)
         self._count(target, result, src, op)
@@ -327,6 +331,23 @@ def _inner(tensor: torch.Tensor, depth: int = 0) -> Iterator[torch.Tensor]:
         if isinstance(part, _Tensor):
             yield part
             yield from _inner(part, depth + 1)
+
+
+def _separate(src: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """A wrapper subclass moved across the simulated bus, with inner tensors of its own: torch ran the move on the
+    host, where the subclass's inner `.to()` hands back the source's own inner tensors, which an accelerator would have
+    copied (the source keeps its place). Rebuilt with copies of those through `__tensor_unflatten__`."""
+    names, context = result.__tensor_flatten__()
+    sources = list(_inner(src))
+    inner, shared = {}, False
+    for name in names:
+        part = getattr(result, name)
+        if any(_aliases(part, other) for other in sources if not _is_wrapper(other) and not _is_wrapper(part)):
+            part, shared = part.clone(), True
+        inner[name] = part
+    if not shared:
+        return result
+    return type(result).__tensor_unflatten__(inner, context, result.shape, result.stride())
 
 
 def _is_device(device) -> bool:
