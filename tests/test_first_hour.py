@@ -2,6 +2,7 @@
 the unit suggested, before anything changes; a reserve that leaves nothing of the card says nothing fits."""
 
 import json
+import os
 
 import pytest
 
@@ -59,3 +60,31 @@ def test_a_memory_budget_text_without_its_unit_is_refused_before_anything_change
         pipe.enable_model_cpu_offload(device="cpu", memory_budget="16")
     assert doe.offload_status(pipe).enabled is False
     assert not any(hasattr(m, "_hf_hook") for m in pipe.components.values())
+
+
+def _traces():
+    stock = tiny.build("flux")
+    stock.enable_model_cpu_offload(device="cpu")  # stock diffusers: its moves are replayed
+    ours = tiny.build("flux")
+    doe.OffloadMixin.enable_model_cpu_offload(ours, device="cpu", keep_on_device_during_generation=True)
+    traces = []
+    for pipe in (stock, ours):
+        with doe.trace(pipe) as recorded:
+            tiny.run(pipe, "flux")
+        traces.append(recorded)
+    return traces
+
+
+def test_trace_tables_are_readable_at_80_columns():
+    import rich.console
+
+    for recorded in _traces():
+        for by in ("component", "call"):
+            console = rich.console.Console(width=80, record=True, file=open(os.devnull, "w"))
+            console.print(recorded.table(by=by))
+            text = console.export_text()
+            assert "…" not in text  # no header or cell cut
+            assert max(len(line.rstrip()) for line in text.splitlines()) <= 80
+            header = next(line for line in text.splitlines() if line.split()[:1] in (["component"], ["call"]))
+            assert "onloaded" in header and "seconds" in header
+            assert "text_encoder_2" in text or by == "call"

@@ -39,11 +39,9 @@ NEEDS = {
     "quanto": "optimum.quanto",
     "layerwise": None,
 }
-#: The matrix's transformer: wider and deeper than the tiny one (two double and two single blocks of width 128), so
+#: The matrix's transformer: wider and deeper than the tiny one (four double and four single blocks of width 64), so
 #: that quantized it is still the largest component and a budget below it has blocks to stream.
-WIDER = dict(
-    num_layers=2, num_single_layers=2, attention_head_dim=32, num_attention_heads=4, axes_dims_rope=(8, 12, 12)
-)
+WIDER = dict(num_layers=4, num_single_layers=4, num_attention_heads=4)
 GGUF_FILE = "transformer-q8_0.gguf"
 
 
