@@ -88,3 +88,30 @@ def test_trace_tables_are_readable_at_80_columns():
             header = next(line for line in text.splitlines() if line.split()[:1] in (["component"], ["call"]))
             assert "onloaded" in header and "seconds" in header
             assert "text_encoder_2" in text or by == "call"
+
+
+def test_plan_prices_the_recommended_budget_call_once_and_names_the_options_it_assumes(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "flux-dev", "--vram", "16GiB", "--json")
+    result = json.loads(out)
+    assert code == 0 and result["recommended"]["strategy"] == "residency"
+    assert "pin_memory" not in result["recommended"]["call"] and "prefetch" not in result["recommended"]["call"]
+    strategy = result["strategies"]["residency"]["seconds_at_assumed_bandwidth"]["mean_per_generation_including_setup"]
+    rows = result["block_residency"]["rows"]
+    # The recommended call, priced the same in both tables (no setup, every generation alike here) ...
+    assert rows["budget"]["seconds_first"] == pytest.approx(strategy, rel=1e-3)
+    # ... and the same call with page-locking and prefetch, a row of its own that says so.
+    assert rows["budget_pinned"]["seconds_first"] < rows["budget"]["seconds_first"]
+    assert "pin_memory" in rows["budget_pinned"]["label"] and "prefetch" in rows["budget_pinned"]["label"]
+    assert "pin_memory=True, prefetch=True" in result["block_residency"]["assumptions"]["bandwidth"]
+
+
+def test_the_demo_names_the_plan_of_its_own_model_and_dtypes(capsys):
+    pytest.importorskip("transformers")
+    code, out, _ = run(capsys, "demo", "--steps", "2", "--generations", "1", "--json")
+    result = json.loads(out)
+    command = result["plan_command"].split()
+    assert code == 0 and command[:2] == ["diffusers-offload", "plan"]
+    code, out, _ = run(capsys, *command[1:], "--json")
+    planned = json.loads(out)
+    assert code == 0 and {n: c["nbytes"] for n, c in planned["components"].items()} == result["real_sizes"]
+    assert planned["vram_bytes"] == 24 << 30 and planned["preview"] is True
