@@ -17,6 +17,8 @@ import torch
 #: How deep attributes and nested wrappers are followed (`quant_state.state2.absmax` is three deep).
 MAX_DEPTH = 4
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+#: Attribute values never walked into: modules (`Params4bit.module` is its own layer) and plain values.
+_SCALARS = (torch.nn.Module, type, str, bytes, int, float, bool, torch.dtype, torch.Size)
 
 
 def is_wrapper(tensor: torch.Tensor) -> bool:
@@ -36,10 +38,7 @@ def _attributes(value: object, depth: int) -> Iterator[torch.Tensor]:
     for item in list(attributes.values()):
         if isinstance(item, torch.Tensor):
             yield from _parts(item, depth + 1)
-        elif (
-            not isinstance(item, (torch.nn.Module, type, str, bytes, int, float, bool, torch.dtype))
-            and item is not None
-        ):
+        elif item is not None and not isinstance(item, _SCALARS):
             yield from _attributes(item, depth + 1)
 
 
@@ -58,6 +57,33 @@ def _parts(tensor: torch.Tensor, depth: int) -> Iterator[torch.Tensor]:
     else:
         yield tensor
     yield from _attributes(tensor, depth)
+
+
+def tensor_state(tensor: torch.Tensor) -> List[Tuple[object, str, torch.Tensor]]:
+    """`(owner, attribute, tensor)` of every tensor `tensor` carries as an attribute, followed through state objects
+    (bitsandbytes' `Params4bit.quant_state.absmax`, `.code`, `.state2.absmax`; `Int8Params.SCB`), never into modules:
+    the quantization state a move of the tensor's data alone would leave behind."""
+    found: List[Tuple[object, str, torch.Tensor]] = []
+    seen: Set[int] = set()
+
+    def walk(owner: object, depth: int) -> None:
+        if depth >= MAX_DEPTH or id(owner) in seen:
+            return
+        seen.add(id(owner))
+        try:
+            attributes = vars(owner)
+        except TypeError:
+            return
+        for name, item in list(attributes.items()):
+            if isinstance(item, torch.Tensor):
+                if item is not tensor:
+                    found.append((owner, name, item))
+            elif item is not None and not isinstance(item, _SCALARS):
+                walk(item, depth + 1)
+
+    if type(tensor) not in _PLAIN and not is_wrapper(tensor):
+        walk(tensor, 0)
+    return found
 
 
 def tensor_parts(tensor: torch.Tensor) -> List[torch.Tensor]:

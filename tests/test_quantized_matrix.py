@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the residency options")
 
 import diffusers_offload_ext as doe  # noqa: E402
+from diffusers_offload_ext.storages import tensor_parts  # noqa: E402
 from diffusers_offload_ext.testing import quantized, tiny  # noqa: E402
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.usefixtures("installed")]
@@ -31,13 +32,10 @@ OPTIONS = {
     "budget-below": {"memory_budget": BELOW, "keep_on_device_between_generations": True},
     "budget-1.2x": {"memory_budget": TOTAL, "keep_on_device_between_generations": True},
 }
-#: The cells that pass today, per backend: every option, on both accelerators but for `PLAIN_CPU_ONLY`.
+#: The cells that pass today, per backend: every option, on both accelerators.
 #: bitsandbytes 8-bit is left out of offload (its components are missing from `offload_status`) until the runtime
 #: phase of issue 20 gives them a role; its cells are in the report of the change that added this file.
 PASSING = {backend: tuple(OPTIONS) for backend in ("nf4", "fp4", "gguf", "torchao", "quanto", "layerwise")}
-#: NF4/FP4 blocks stream without their quantization state (`transfer/streaming.py` points only the parameter's
-#: `.data` at the ring; `quant_state.absmax` stays on the host): the plain CPU cannot tell, the simulator raises.
-PLAIN_CPU_ONLY = {("nf4", "budget-below"), ("fp4", "budget-below")}
 #: Backends whose transformer streams under a budget below it (GGUF, torchao, quanto refuse to stream for now: their
 #: tensor subclasses, one log line says so, and the transformer runs alone).
 STREAMING = {"nf4", "fp4", "layerwise"}
@@ -48,8 +46,6 @@ def cells():
         ok, why = quantized.available(backend)
         for option in options:
             for where in ("cpu", "simulated"):
-                if where == "simulated" and (backend, option) in PLAIN_CPU_ONLY:
-                    continue
                 marks = () if ok else pytest.mark.skip(reason=why)
                 yield pytest.param(backend, option, where, id=f"{backend}-{option}-{where}", marks=marks)
 
@@ -127,9 +123,11 @@ def test_every_backend_under_every_option(saved, messages, backend, option, wher
             if record.block is None:
                 assert within(record.nbytes, sizes[record.component]), record
         if option == "budget-below" and backend in STREAMING:
-            assert any(
-                r.block is not None for r in doe.transfer_ledger(pipe).records
-            ), "the transformer did not stream"
+            streamed = [r for r in doe.transfer_ledger(pipe).records if r.block is not None]
+            assert streamed, "the transformer did not stream"
+            if sim is not None:  # every byte home after the calls, quantization state included
+                tensors = [*pipe.transformer.parameters(), *pipe.transformer.buffers()]
+                assert not [part for t in tensors for part in tensor_parts(t) if sim.is_on_device(part)]
         if option == "budget-1.2x":
             assert not [text for text in messages if "does not fit" in text]
             assert [r for r in doe.transfer_ledger(pipe).records if r.call_index == 1] == []

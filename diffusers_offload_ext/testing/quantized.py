@@ -50,7 +50,13 @@ def available(backend: str) -> Tuple[bool, str]:
     if backend not in BACKENDS:
         raise ValueError(f"`backend` {backend!r} is not one of {BACKENDS}")
     module = NEEDS[backend]
-    if module is None or importlib.util.find_spec(module.split(".")[0]) is not None:
+    if module is None:
+        import diffusers
+
+        if hasattr(diffusers.ModelMixin, "enable_layerwise_casting"):
+            return True, ""
+        return False, f"layerwise casting needs diffusers>=0.33 (installed: {diffusers.__version__})"
+    if importlib.util.find_spec(module.split(".")[0]) is not None:
         return True, ""
     return False, f"{backend} needs `{module}` (`make test-quant` installs it)"
 

@@ -2,6 +2,10 @@
 for as long as it streams; every other block is copied into a ring buffer just before it runs (prefetched `depth`
 blocks ahead along the order the blocks ran in) and released right after, its host tensors put back.
 
+Quantization state a parameter carries as attributes (bitsandbytes' `quant_state`: `absmax`, `code`) travels with
+its block: device copies are put in place with the block's tensors (outside the ring, whose buffers hold the
+parameters and buffers alone) and the host ones put back when it leaves.
+
 Streamed blocks live on the device only during their own forward. A change made to one there (an in-place update of a
 parameter or buffer, a replaced tensor) is seen at release from the tensors' identity, data pointer and version
 counter and copied back into the host tensors; edits through `.data`, which bump no counter, are seen for the kept
@@ -20,6 +24,7 @@ from ..constants import COPY, DROP, OFFLOAD, ONLOAD, PREFETCH
 from .base import HOST
 from .inference import has_inference_parameters, streams_ordinary_tensors, version_of
 from .host_copy import HostCopy
+from .quant_state import place_state, restore_state, state_of
 from .ring import Copier, Ring
 
 #: `(block, direction, nbytes, kind)`: told of every block move.
@@ -35,18 +40,20 @@ class _Streamed:
         self.tables = tables
         self.originals = [table[key] for table, key in tables]
         self.hosts = [t.data if isinstance(t, torch.nn.Parameter) else t for t in self.originals]
+        self.states = state_of(self.slots)
         self.views: List[torch.Tensor] = []
         self.marks: List[int] = []
         self.slot: Optional[int] = None
         self.running = False
 
-    def swap_in(self) -> None:
+    def swap_in(self, device: torch.device) -> None:
         for (table, key), original, view in zip(self.tables, self.originals, self.views):
             if isinstance(original, torch.nn.Parameter):
                 original.data = view
                 table[key] = original
             else:
                 table[key] = view
+        place_state(self.states, device)
         self.marks = [version_of(table[key]) for table, key in self.tables]
 
     def changed(self) -> bool:
@@ -76,6 +83,7 @@ class _Streamed:
                     table[key] = original
                 else:
                     table[key] = self.originals[i] = self.hosts[i]
+        restore_state(self.states)
         self.views, self.marks, self.running = [], [], False
 
 
@@ -130,6 +138,7 @@ class BlockStreamer:
         self.uses: Dict[str, int] = {block.name: 0 for block in blocks}
         self.seen: List[str] = []
         self.copies: Dict[str, HostCopy] = {}
+        self.states: Dict[str, list] = {}  # the kept blocks' quantization state (host tensors)
         self.ring: Optional[Ring] = None
         self._holder: List[Optional[str]] = []
         self._tokens: List[object] = []
@@ -142,7 +151,9 @@ class BlockStreamer:
         """Kept blocks to the device, the ring allocated, hooks on the streamed blocks, the first blocks prefetched."""
         for block in self.kept:
             copy = HostCopy(self.component, self.check, only=block.slots)
+            self.states[block.name] = state_of(block.slots)
             _move_slots(block.slots, self.device)
+            place_state(self.states[block.name], self.device)
             copy.seal(self.component)
             self.copies[block.name] = copy
             self.emit(block.name, ONLOAD, block.nbytes, COPY)
@@ -181,6 +192,7 @@ class BlockStreamer:
         self._unhook()
         for block in self.kept:
             copy = self.copies.pop(block.name)
+            restore_state(self.states.pop(block.name, ()))
             if copy.check and copy.unchanged(self.component):
                 copy.restore(self.component)
                 self.emit(block.name, OFFLOAD, block.nbytes, DROP)
@@ -194,7 +206,7 @@ class BlockStreamer:
         self._learned()
         self._unhook()
         self.copier.drain()
-        self.ring, self.copies = None, {}
+        self.ring, self.copies, self.states = None, {}, {}
 
     def _unhook(self) -> None:
         for handle in self._handles:
@@ -216,7 +228,7 @@ class BlockStreamer:
         slot = block.slot if block.slot is not None else self._load(name, ahead=False)
         self.copier.wait(self._tokens[slot])
         self._tokens[slot] = None
-        block.swap_in()
+        block.swap_in(self.device)
         block.running = True
         self.uses[name] += 1
         self._learn(name)
