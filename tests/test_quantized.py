@@ -128,3 +128,29 @@ def test_plan_sizes_a_format_from_its_own_layout(saved, backend, fmt, tolerance)
         assert planned_bytes(saved, name, module, fmt) == pytest.approx(
             doe.module_nbytes(module), rel=tolerance, abs=0
         )
+
+
+@pytest.mark.usefixtures("installed")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_edit_of_a_quantized_weight_on_the_device_survives_an_eviction_without_a_copy(saved, backend):
+    # Zero-copy eviction sees into a subclass's storages or copies back (tensor subclasses cannot be fingerprinted).
+    from diffusers_offload_ext.storages import tensor_parts
+    from diffusers_offload_ext.testing.simulated_accelerator import SimulatedAccelerator
+
+    with SimulatedAccelerator() as sim:
+        pipe = quantized.load(backend, saved, device=sim.device)
+        options = dict(zero_copy_eviction=True, keep_on_device_between_generations=True, memory_budget="1GiB")
+        pipe.enable_model_cpu_offload(device="cpu", **options)
+        layer, edited = pipe.transformer.proj_out, []
+
+        def edit(p, step, timestep, kwargs):
+            if step == 0:
+                storage = tensor_parts(layer.weight)[0]  # the bytes themselves: int8 rows, packed 4-bit, GGUF blocks
+                with torch.no_grad():
+                    storage.add_(1)
+                edited.append(storage.detach().cpu().clone())
+            return kwargs
+
+        pipe(**tiny.call_kwargs(NAME, pipe=pipe), callback_on_step_end=edit)
+        doe.release(pipe)
+        assert torch.equal(tensor_parts(layer.weight)[0].detach().cpu(), edited[0])

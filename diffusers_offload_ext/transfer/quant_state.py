@@ -1,6 +1,7 @@
 """Quantization state that travels with a block: the tensors a parameter carries as attributes (bitsandbytes'
 `Params4bit.quant_state`: `absmax`, `code`, a nested `state2`), which a move of the parameter's data alone leaves
-behind; the block streamer puts device copies in place and the host tensors back."""
+behind. The block streamer puts device copies in place with the block's tensors (outside the ring, whose buffers hold
+the parameters and buffers alone) and the host tensors back when the block leaves."""
 
 from __future__ import annotations
 
@@ -30,3 +31,10 @@ def restore_state(states) -> None:
     """The host tensors of `states` put back."""
     for owner, name, host in states:
         setattr(owner, name, host)
+
+
+def carry(slots, device: torch.device) -> list:
+    """`state_of(slots)`, with device copies put in place (`place_state`): the host tensors, to put back later."""
+    states = state_of(slots)
+    place_state(states, device)
+    return states

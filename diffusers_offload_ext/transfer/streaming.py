@@ -1,10 +1,6 @@
 """`BlockStreamer`: runs one component larger than the room the budget leaves it. Its kept blocks go to the device
-for as long as it streams; every other block is copied into a ring buffer just before it runs (prefetched `depth`
-blocks ahead along the order the blocks ran in) and released right after, its host tensors put back.
-
-Quantization state a parameter carries as attributes (bitsandbytes' `quant_state`: `absmax`, `code`) travels with
-its block: device copies are put in place with the block's tensors (outside the ring, whose buffers hold the
-parameters and buffers alone) and the host ones put back when it leaves.
+for as long as it streams; every other block is copied into a ring buffer just before it runs (prefetched `depth` ahead
+in the order blocks ran) and released right after, host tensors put back (`quant_state` too: `quant_state.py`).
 
 Streamed blocks live on the device only during their own forward. A change made to one there (an in-place update of a
 parameter or buffer, a replaced tensor) is seen at release from the tensors' identity, data pointer and version
@@ -24,7 +20,7 @@ from ..constants import COPY, DROP, OFFLOAD, ONLOAD, PREFETCH
 from .base import HOST
 from .inference import has_inference_parameters, streams_ordinary_tensors, version_of
 from .host_copy import HostCopy
-from .quant_state import place_state, restore_state, state_of
+from .quant_state import carry, place_state, restore_state, state_of
 from .ring import Copier, Ring
 
 #: `(block, direction, nbytes, kind)`: told of every block move.
@@ -151,9 +147,8 @@ class BlockStreamer:
         """Kept blocks to the device, the ring allocated, hooks on the streamed blocks, the first blocks prefetched."""
         for block in self.kept:
             copy = HostCopy(self.component, self.check, only=block.slots)
-            self.states[block.name] = state_of(block.slots)
             _move_slots(block.slots, self.device)
-            place_state(self.states[block.name], self.device)
+            self.states[block.name] = carry(block.slots, self.device)
             copy.seal(self.component)
             self.copies[block.name] = copy
             self.emit(block.name, ONLOAD, block.nbytes, COPY)
