@@ -5,6 +5,8 @@ PIP_QUIET ?= -q
 TORCH := torch==2.13.0
 NEW_STACK := diffusers==0.42.1 accelerate==1.15.0 "transformers>=5,<6"
 OLD_STACK := diffusers==0.32.2 accelerate==1.6.0 transformers==4.51.3
+# The quantization libraries users load FLUX with (bitsandbytes has a CPU backend since 0.48), for tests/test_quantized*.
+QUANT_LIBS := bitsandbytes==0.50.2 gguf==0.19.0 torchao==0.18.0 optimum-quanto==0.2.7
 DIFFUSERS_SDIST_VERSION := 0.42.1
 # The upstream patch series (patches/v0.42.1, patches/main) is checked with diffusers' own pinned tools, against the
 # PyPI sdists of 0.42.1 and 0.40.0 (whose pipeline_utils.py is the fetched main's); see patches/README.md.
@@ -14,7 +16,7 @@ PATCH_SDISTS := build/sdist/diffusers-0.42.1.tar.gz build/sdist/diffusers-0.40.0
 BLACK_PATHS := setup.py diffusers_offload_ext tests $(wildcard benchmarks tools)
 PYTEST := -p no:cacheprovider -q
 
-.PHONY: demo test test-serial test-new test-old test-patched lint clean check-patches test-patch-diffusers
+.PHONY: demo test test-serial test-new test-old test-patched test-quant lint clean check-patches test-patch-diffusers
 
 .venv/.installed: setup.py
 	rm -rf .venv
@@ -28,6 +30,14 @@ PYTEST := -p no:cacheprovider -q
 	$(PYTHON) -m venv .venv-old
 	.venv-old/bin/pip install $(PIP_QUIET) $(TORCH)
 	.venv-old/bin/pip install $(PIP_QUIET) -e ".[test]" $(OLD_STACK)
+	touch $@
+
+# The newest stack and the quantization libraries: every backend under every option (tests/test_quantized*.py).
+.venv-quant/.installed: setup.py
+	rm -rf .venv-quant
+	$(PYTHON) -m venv .venv-quant
+	.venv-quant/bin/pip install $(PIP_QUIET) $(TORCH)
+	.venv-quant/bin/pip install $(PIP_QUIET) -e ".[test]" $(NEW_STACK) $(QUANT_LIBS)
 	touch $@
 
 # ruff and hf-doc-builder at the versions diffusers uses, to check the patch series; also downloads the sdists.
@@ -61,6 +71,10 @@ test-new: .venv/.installed
 test-old: .venv-old/.installed
 	.venv-old/bin/pytest $(PYTEST) tests
 
+# Only the quantized tests: the rest of the suite runs in test-new on the same stack.
+test-quant: .venv-quant/.installed
+	.venv-quant/bin/pytest $(PYTEST) tests/test_quantized.py tests/test_quantized_matrix.py
+
 test-patched: .venv-patched/.installed
 	.venv-patched/bin/pytest $(PYTEST) tests --offload-impl=patched
 
@@ -78,7 +92,7 @@ test-patch-diffusers: .venv-patched/.installed
 
 # Everything runs side by side (each pytest uses one thread; CI has 2 cores), each target's output printed whole
 # when it is done. `make test-serial` runs them one after the other.
-CHECKS := test-new test-old test-patched check-patches test-patch-diffusers
+CHECKS := test-new test-old test-patched test-quant check-patches test-patch-diffusers
 JOBS ?= 2
 test: lint
 	$(MAKE) --no-print-directory -j$(JOBS) --output-sync=target $(CHECKS)
@@ -86,4 +100,4 @@ test: lint
 test-serial: lint $(CHECKS)
 
 clean:
-	rm -rf .venv .venv-old .venv-patched .venv-patch-tools build
+	rm -rf .venv .venv-old .venv-patched .venv-patch-tools .venv-quant build

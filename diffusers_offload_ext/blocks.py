@@ -21,6 +21,8 @@ from typing import Dict, List, NamedTuple, Tuple
 
 import torch
 
+from .storages import storage_nbytes
+
 #: The name of the block that holds what no repeated entry holds.
 REST = "<rest>"
 #: `(sub-module, is_parameter, name)`: where one tensor of a block lives.
@@ -35,7 +37,8 @@ class Block(NamedTuple):
         module (`torch.nn.Module`): The module that runs it: the list entry, or the component itself for `REST`
             (its tensors are needed whenever the component runs).
         slots (`Tuple[Slot, ...]`): Where each of its tensors lives, each tensor once.
-        nbytes (`int`): Bytes of those tensors.
+        nbytes (`int`): Bytes of the storages behind those tensors (`storages.storage_nbytes`: through tensor
+            subclasses, quantization state included).
     """
 
     name: str
@@ -69,11 +72,8 @@ def _lists(module: torch.nn.Module, prefix: str = ""):
 
 
 def _nbytes(slots) -> int:
-    total = 0
-    for sub, is_param, key in slots:
-        tensor = (sub._parameters if is_param else sub._buffers)[key]
-        total += tensor.numel() * tensor.element_size()
-    return total
+    """Bytes of the storages behind the slots' tensors (quantization state included), each storage once."""
+    return storage_nbytes((sub._parameters if is_param else sub._buffers)[key] for sub, is_param, key in slots)
 
 
 def find_blocks(component: torch.nn.Module) -> List[Block]:

@@ -28,6 +28,9 @@ UNITS = {
     "tib": TiB,
 }
 UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+#: A size or rate written without a unit and below this is refused: `16` meant `'16GiB'`, not 16 bytes. Write the
+#: unit, `B` included (`'512KiB'`, `'4096B'`), for a size that small.
+BARE_MINIMUM = MiB
 _SIZE = re.compile(r"^\s*([+-]?)(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?\s*([A-Za-z]*)\s*$")
 
 
@@ -67,6 +70,47 @@ def parse_size(text: str) -> int:
     if value > MAX_BYTES:
         raise SizeError(text, f"too large (more than {format_size(MAX_BYTES)})")
     return int(value)
+
+
+def check_unit(value: object, argument: str, *, per: str = "", texts_only: bool = False) -> None:
+    """Refuse a bare number (an `int`, or a `str` with no unit) above 0 and below `BARE_MINIMUM`: it is bytes, and
+    almost surely a unit left out (`--vram 16`, `memory_budget="100"`).
+
+    Args:
+        value (`int`, `float` or `str`): What the user wrote.
+        argument (`str`): Its name, for the message.
+        per (`str`, *optional*): `"/s"` for a rate (the suggestion is then `'12GB/s'`).
+        texts_only (`bool`, *optional*): Check only a `str` (an `int` argument of the Python API is bytes, as
+            documented: the tiny test pipelines are budgeted in a few hundred KiB).
+
+    Raises:
+        `SizeError` (a `ValueError`) whose message names `argument` and suggests the unit: "`16`: did you mean
+        `'16GiB'`?".
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, str))
+        or texts_only
+        and not isinstance(value, str)
+    ):
+        return
+    text = str(value).strip()
+    if len(text) > MAX_TEXT:
+        return  # `parse_size` refuses it
+    match = _SIZE.match(text)
+    if match is None or match.group(4) or isinstance(value, float) and not value.is_integer():
+        return  # not a number, or a unit is written: `parse_size` decides
+    try:
+        nbytes = parse_size(text)
+    except SizeError:
+        return
+    if 0 < nbytes < BARE_MINIMUM:
+        shown = str(int(value)) if isinstance(value, float) else text
+        raise SizeError(
+            value,
+            f"a number of bytes{per} without a unit, under {format_size(BARE_MINIMUM)}{per} (`{argument}`: `{shown}`: "
+            f"did you mean `'{shown}{'GB' if per else 'GiB'}{per}'`? Write the unit; `'{shown}B{per}'` for so few bytes)",
+        )
 
 
 def format_size(nbytes: Optional[float]) -> str:

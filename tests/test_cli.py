@@ -178,14 +178,14 @@ def test_plan_recommends_a_budget_only_where_its_weights_stay_within_it(flux_pla
     assert any("cannot hold transformer" in note for note in result["notes"])
     # No strategy fits that card: no recommendation, and why.
     assert result["recommended"] is None and any("transformer alone is" in n for n in result["notes"])
-    # A reserve larger than the card: no budget at all, and it says why.
-    code, out, _ = run_cli(capsys, "plan", "--model", "flux-dev", "--reserve", "30GiB", "--json")
-    result = json.loads(out)
-    assert code == 0 and result["strategies"]["residency"]["available"] is False
-    assert "leaves nothing" in result["strategies"]["residency"]["reason"]
-    assert "0.0GiB" not in out and (result["recommended"] is None or result["recommended"]["strategy"] != "residency")
-    code, out, _ = run_cli(capsys, "plan", "--model", "flux-dev", "--reserve", "30GiB")
-    assert code == 0 and "0.0GiB" not in out and "leaves nothing" in out
+    # A reserve as large as the card or larger: nothing fits, a usage error that says so (no recommendation).
+    for reserve in ("30GiB", "24GiB"):
+        code, out, _ = run_cli(capsys, "plan", "--model", "flux-dev", "--reserve", reserve, "--json")
+        result = json.loads(out)
+        assert code == 2 and result["argument"] == "--reserve" and "nothing fits" in result["error"]
+        assert "recommended" not in result
+    code, out, err = run_cli(capsys, "plan", "--model", "flux-dev", "--reserve", "30GiB")
+    assert code == 2 and out == "" and "leaves nothing of the card's --vram 24.00 GiB" in err
 
 
 def test_many_generations_are_extrapolated_exactly_from_their_period():

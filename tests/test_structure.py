@@ -92,6 +92,7 @@ RULES = {
     "blocks.py": {"runtime", "policies", "transfer", "observe", "cli", "models", "testing"},
     "marks.py": {"runtime", "policies", "transfer", "observe", "cli", "models", "testing"},
     "ledger.py": {"torch", "runtime", "policies", "transfer", "observe", "cli", "models", "testing"},
+    "storages.py": {"runtime", "policies", "transfer", "observe", "cli", "models", "testing"},
 }
 
 

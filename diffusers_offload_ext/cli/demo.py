@@ -23,6 +23,8 @@ STEPS, MAX_STEPS = 28, 200
 REAL_MODEL = "flux-dev"
 REAL_DTYPES = ("transformer=fp8",)
 CARD = 24 * GiB
+#: The `plan` of the same real model, card and dtypes (plan's own default is the model's bfloat16).
+PLAN_COMMAND = f"diffusers-offload plan --model {REAL_MODEL} --vram 24GiB --dtype {','.join(REAL_DTYPES)} --preview"
 INSTALL_DEMO = "pip install 'diffusers-offload-ext[demo]' (from a clone: pip install '.[demo]')"
 
 
@@ -159,6 +161,7 @@ def _result(settings: dict, generations: int, steps: int, rates: Tuple[int, int]
         "bandwidth": {"assumed": True, "h2d_bytes_per_s": rates[0], "d2h_bytes_per_s": rates[1]},
         "real_model": "FLUX.1-dev, transformer in float8_e4m3fn, text encoders and VAE in bfloat16, 24 GiB card",
         "real_sizes": real,
+        "plan_command": PLAN_COMMAND,
         "configurations": settings,
         "png": None,
     }
@@ -220,6 +223,12 @@ def _render_real(result: dict, columns: int) -> List[str]:
     lines += output.wrap(
         f"* priced at ASSUMED bandwidths of {h2d} host-to-device and {d2h} device-to-host (not measured; set "
         "--h2d-bandwidth and --d2h-bandwidth: `diffusers-offload doctor` measures them on a CUDA machine).",
+        columns,
+        "  ",
+    )
+    lines += output.wrap(
+        f"The plan of the same model, dtypes and card (plan alone sizes FLUX.1-dev in bfloat16): "
+        f"{result['plan_command']}",
         columns,
         "  ",
     )

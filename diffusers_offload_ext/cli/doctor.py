@@ -145,10 +145,14 @@ def _overrides() -> Dict[str, str]:
 
     found = {}
     for name in overriding_pipelines():
-        cls = getattr(diffusers, name, None)
-        if cls is None:
+        try:  # a pipeline whose requirements are missing is a placeholder that raises on any use
+            cls = getattr(diffusers, name, None)
+            if cls is None:
+                continue
+            supported, reason = support(cls)
+        except ImportError as error:
+            found[name] = f"not importable here: {str(error).strip().splitlines()[0][:160]}"
             continue
-        supported, reason = support(cls)
         found[name] = ("adapted: " if supported else "rejects the options: ") + reason
     return found
 

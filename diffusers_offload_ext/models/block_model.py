@@ -23,7 +23,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from ..constants import END, OFFLOAD, ONLOAD, STREAM
 from ..policies import DEPTH, Decision, Item, ReplayedMove, BlockChoice, least_room, choose_blocks, replay_trace
 from .recorded import DATA_DIR, config_key
-from .sizes import ITEMSIZE
+from .sizes import component_bytes, parse_dtype
 from .specs import load_spec, override_component
 
 #: Block element counts of the shipped models' components (`testing/record_model_data.py --blocks` writes it).
@@ -34,23 +34,25 @@ REST = "<rest>"
 
 @functools.lru_cache(maxsize=16)
 def _block_counts(class_name: str, library: Optional[str], config_json: str) -> tuple:
-    """`((block, floating elements, ((dtype, elements), ...)), ...)` of the class built on meta."""
+    """`((block, floating elements, ((dtype, elements), ...), linear weights), ...)` of the class built on meta."""
     from ..blocks import find_blocks
-    from .meta import build_on_meta, tally
+    from .meta import build_on_meta, kept_in_fp32, linear_weights, tally
 
     found = []
-    for block in find_blocks(build_on_meta(class_name, library, config_json)):
+    model = build_on_meta(class_name, library, config_json)
+    kept, names = kept_in_fp32(model)
+    for block in find_blocks(model):
         tensors = [(sub._parameters if is_param else sub._buffers)[key] for sub, is_param, key in block.slots]
         floating, other = tally(tensors, class_name)
-        found.append((block.name, floating, tuple(sorted(other.items()))))
+        found.append((block.name, floating, tuple(sorted(other.items())), linear_weights(block.slots, names, kept)))
     return tuple(found)
 
 
 def block_counts(class_name: str, library: Optional[str], config: Mapping) -> list:
-    """`[[block, floating elements, {dtype: elements}], ...]` of a component built on meta (what `BLOCKS_FILE`
-    ships, so that a plan of a shipped model needs no torch)."""
+    """`[[block, floating elements, {dtype: elements}, [Linear weight elements, rows, matrices]], ...]` of a
+    component built on meta (what `BLOCKS_FILE` ships, so that a plan of a shipped model needs no torch)."""
     counts = _block_counts(class_name, library, json.dumps(config, sort_keys=True))
-    return [[name, floating, dict(other)] for name, floating, other in counts]
+    return [[name, floating, dict(other), list(linear)] for name, floating, other, linear in counts]
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,14 +65,18 @@ def shipped_block_counts() -> Dict[str, list]:
 
 
 def block_bytes(entry: Mapping, dtype: str) -> Dict[str, int]:
-    """`{block: bytes}` of one spec component whose floating tensors are in `dtype` (see `blocks.py`): from the
-    shipped block counts when its class and config were recorded, else from a build on the meta device."""
+    """`{block: bytes}` of one spec component whose floating tensors are in `dtype`, or whose Linear weights are in
+    the quantized format `dtype` (the rest in the component's own dtype) (see `blocks.py`): from the shipped block
+    counts when its class and config were recorded, else from a build on the meta device."""
     counts = shipped_block_counts().get(config_key(entry["class"], entry["config"]))
     if counts is None:
         counts = block_counts(entry["class"], entry.get("library"), entry["config"])
+    rest = parse_dtype(entry.get("dtype", "float32"), formats=False)
     return {
-        name: floating * ITEMSIZE[dtype] + sum(n * ITEMSIZE[d] for d, n in other.items())
-        for name, floating, other in counts
+        row[0]: component_bytes(
+            {"floating": row[1], "other": row[2], "linear": row[3] if len(row) > 3 else None}, dtype, rest
+        )
+        for row in counts
     }
 
 

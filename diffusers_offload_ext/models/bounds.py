@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Optional, Union
 
-from ..units import SizeError, format_size, parse_size
+from ..units import SizeError, check_unit, format_size, parse_size
 from .errors import PlanError
 
 #: Most denoising steps per generation (real pipelines use 1 to about 100).
@@ -40,9 +40,11 @@ def parse_bytes(value: Union[int, str], *, argument: str, allow_zero: bool = Fal
     """Bytes in `value` (`"24GiB"`, `"80GB"`, `"24e9"` or an `int`), bounded by `units.MAX_BYTES`.
 
     Raises:
-        `PlanError`: not a size, negative, too large, or zero when `allow_zero` is false.
+        `PlanError`: not a size, negative, too large, zero when `allow_zero` is false, or a number without a unit
+            under 1 MiB (`--vram 16`: did you mean `16GiB`?).
     """
     try:
+        check_unit(value, argument)
         nbytes = parse_size(str(value))
     except SizeError as error:
         raise PlanError(
@@ -59,10 +61,14 @@ def parse_rate(value: Union[int, float, str], *, argument: str) -> int:
     """Bytes per second in `value`: `"12GB/s"`, `"25GiB/s"`, `"12e9"` (bytes per second).
 
     Raises:
-        `PlanError`: not a positive rate, naming `argument`.
+        `PlanError`: not a positive rate, or a number without a unit under 1 MiB/s (`12`), naming `argument`.
     """
     text = str(value).strip()
     body = text[:-2] if text.lower().endswith("/s") else text
+    try:
+        check_unit(body, argument, per="/s")
+    except SizeError as error:
+        raise PlanError(f"{argument}: {error.text!r} is {error.reason}.", argument) from None
     try:
         rate = parse_size(body)
     except SizeError:

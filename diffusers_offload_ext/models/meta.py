@@ -44,7 +44,8 @@ def model_class(class_name: str, library: Optional[str] = None) -> Tuple[type, s
 
 
 def count_elements(class_name: str, library: Optional[str], config: Mapping) -> dict:
-    """`{"class", "library", "parameters", "floating", "other": {dtype: elements}}` of the model built on meta."""
+    """`{"class", "library", "parameters", "floating", "other": {dtype: elements}, "linear": [elements, rows,
+    matrices] of the Linear weights a quantized format stores}` of the model built on meta."""
     counts = dict(_count(class_name, library, json.dumps(config, sort_keys=True)))
     counts["other"] = dict(counts["other"])
     return counts
@@ -81,6 +82,41 @@ def tally(tensors, class_name: str) -> Tuple[int, dict]:
     return floating, other
 
 
+def linear_weights(slots, names=None, kept=()) -> Tuple[int, int, int]:
+    """`(elements, rows, matrices)` of the `Linear` weights among `slots` (`(module, is_parameter, name)`, each tensor
+    once): what a quantized format (`sizes.FORMATS`) stores in its own layout. Modules the class keeps unquantized
+    (`kept`: its `_keep_in_fp32_modules`, T5's `wo`) are left out; `names` maps `id(module)` to its qualified name."""
+    import torch
+
+    elements = rows = matrices = 0
+    for module, is_parameter, name in slots:
+        weight = module._parameters.get(name) if is_parameter else None
+        if name != "weight" or not isinstance(module, torch.nn.Linear) or weight is None or weight.dim() != 2:
+            continue
+        if kept and any(part in kept for part in (names or {}).get(id(module), "").split(".")):
+            continue
+        elements, rows, matrices = elements + weight.numel(), rows + weight.shape[0], matrices + 1
+    return elements, rows, matrices
+
+
+def kept_in_fp32(model) -> Tuple[tuple, dict]:
+    """`(the class's _keep_in_fp32_modules, {id(module): qualified name})` of `model`."""
+    kept = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return kept, {id(module): name for name, module in model.named_modules()}
+
+
+def module_slots(model) -> list:
+    """`(module, is_parameter, name)` of every parameter and buffer of `model`, each tensor once."""
+    seen, slots = set(), []
+    for module in model.modules():
+        for is_parameter, table in ((True, module._parameters), (False, module._buffers)):
+            for name, tensor in table.items():
+                if tensor is not None and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    slots.append((module, is_parameter, name))
+    return slots
+
+
 @functools.lru_cache(maxsize=64)
 def _count(class_name: str, library: Optional[str], config_json: str) -> tuple:
     model = build_on_meta(class_name, library, config_json)
@@ -94,4 +130,5 @@ def _count(class_name: str, library: Optional[str], config_json: str) -> tuple:
         ("parameters", parameters),
         ("floating", floating),
         ("other", dict(sorted(other.items()))),
+        ("linear", list(linear_weights(module_slots(model), *reversed(kept_in_fp32(model))))),
     )

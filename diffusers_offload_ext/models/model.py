@@ -65,8 +65,8 @@ def load_model(model: str, dtypes: Sequence[str] = (), components: Sequence[str]
     overrides = parse_dtype_overrides(dtypes, spec["components"], denoisers)
     described = {}
     for name, entry in spec["components"].items():
-        dtype = overrides.get(name) or parse_dtype(entry.get("dtype", "float32"), argument=f"the dtype of {name!r}")
-        described[name] = describe(_counts(entry), dtype, entry["class"])
+        own = parse_dtype(entry.get("dtype", "float32"), argument=f"the dtype of {name!r}", formats=False)
+        described[name] = describe(_counts(entry), overrides.get(name) or own, entry["class"], rest=own)
     layout = PipelineLayout.from_dict(recorded["layout"])
     missing = [n for n in layout.order if n not in described]
     if missing:

@@ -9,6 +9,7 @@ from ..units import format_size
 from .block_compare import block_residency
 from .block_model import BlockPlans
 from .bounds import MAX_GENERATIONS, MAX_STEPS, parse_bytes, parse_count, parse_rate, parse_seconds
+from .errors import PlanError
 from .generations import Generations, replay_generations
 from .model import Model, load_model
 from .strategies import STRATEGIES, Strategy, all_strategies, largest_offloaded
@@ -54,10 +55,20 @@ def check_request(
     pinned_bandwidth=DEFAULT_PINNED_BANDWIDTH,
     step_seconds=None,
 ) -> Request:
-    """Every argument parsed and bounded, before any work (`PlanError` names the first bad one)."""
+    """Every argument parsed and bounded, before any work (`PlanError` names the first bad one; a reserve that leaves
+    nothing of the card for weights is one)."""
+    vram_bytes = parse_bytes(vram, argument="--vram")
+    reserve_bytes = parse_bytes(reserve, argument="--reserve", allow_zero=True)
+    if reserve_bytes >= vram_bytes:
+        raise PlanError(
+            f"--reserve {format_size(reserve_bytes)} leaves nothing of the card's --vram {format_size(vram_bytes)} for "
+            "weights: nothing fits. Lower --reserve (activations of a 1024x1024 image take a few GiB) or give the "
+            "card's real memory with --vram.",
+            "--reserve",
+        )
     return Request(
-        vram=parse_bytes(vram, argument="--vram"),
-        reserve=parse_bytes(reserve, argument="--reserve", allow_zero=True),
+        vram=vram_bytes,
+        reserve=reserve_bytes,
         steps=parse_count(steps, argument="--steps", maximum=MAX_STEPS),
         generations=parse_count(generations, argument="--generations", maximum=MAX_GENERATIONS),
         preview=bool(preview),

@@ -11,7 +11,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from ..layout import modules_of
-from ..units import MAX_BYTES, UNIT_NAMES, SizeError, format_size, parse_size
+from ..units import MAX_BYTES, UNIT_NAMES, SizeError, check_unit, format_size, parse_size
 
 #: `memory_budget="auto"` and `pin_memory="auto"`.
 AUTO = "auto"
@@ -100,6 +100,7 @@ def size_or_auto(argument: str, value: Any, components=None) -> Optional[int]:
     """`size`, or `None` for `"auto"` (an explicit budget cleared: the automatic one applies again)."""
     if isinstance(value, str) and value.strip().lower() == AUTO:
         return None
+    check_unit(value, argument, texts_only=True)  # `memory_budget="100"`: a unit left out
     return size(argument, value, components)
 
 

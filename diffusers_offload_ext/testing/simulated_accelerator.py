@@ -1,4 +1,10 @@
-"""SimulatedAccelerator: a torch function mode that makes `cpu:0` a device separate from the host `cpu` in tests."""
+"""SimulatedAccelerator: a torch function mode that makes `cpu:0` a device separate from the host `cpu` in tests.
+
+Tensor subclasses that wrap inner tensors (`__tensor_flatten__`: torchao, optimum-quanto) are where their inner
+tensors are: a wrapper moved to the device has its inner tensors tagged too, and an operation on a wrapper whose inner
+tensors are on the host while other inputs are on the device raises. Quantization state that a library passes to its
+kernels as arguments (bitsandbytes' `quant_state.absmax`, `state.CB`) is checked as any input is.
+"""
 
 from __future__ import annotations
 
@@ -82,13 +88,25 @@ class SimulatedAccelerator(TorchFunctionMode):
         super().__enter__()
         # nn.Parameter(data) calls Tensor._make_subclass, not a torch function: shadow TensorBase's meanwhile.
         torch.Tensor._make_subclass = staticmethod(self._make_subclass)
+        # Module._apply swaps a wrapper subclass parameter in place (torch.utils.swap_tensors), which refuses tensors
+        # that have weak references: our tags are weak references, so they are lifted for the swap and exchanged.
+        torch.utils.swap_tensors = self._swap_tensors
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         try:
             del torch.Tensor._make_subclass
+            torch.utils.swap_tensors = _SWAP_TENSORS
         finally:
             super().__exit__(*exc_info)
+
+    def _swap_tensors(self, t1: torch.Tensor, t2: torch.Tensor) -> None:
+        first, second = self.is_on_device(t1), self.is_on_device(t2)
+        self._set_tag(t1, False, inner=False)
+        self._set_tag(t2, False, inner=False)
+        _SWAP_TENSORS(t1, t2)
+        self._set_tag(t1, second, inner=False)
+        self._set_tag(t2, first, inner=False)
 
     def _make_subclass(self, cls: type, data: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         result = torch._C.TensorBase._make_subclass(cls, data, *args, **kwargs)
@@ -118,17 +136,20 @@ class SimulatedAccelerator(TorchFunctionMode):
                 self._tag(out)
         return result
 
-    def _tag(self, tensor: torch.Tensor) -> None:
+    def _tag(self, tensor: torch.Tensor, inner: bool = True) -> None:
         key = id(tensor)
         ref = self._tags.get(key)
         if ref is None or ref() is not tensor:
             ref = _Tag(tensor, self._forget_callback)
             ref.key = key
             self._tags[key] = ref
+        if inner and type(tensor) not in _PLAIN:
+            for part in _inner(tensor):  # made inside the subclass's dispatch, where this mode does not look
+                self._tag(part)
 
-    def _set_tag(self, tensor: torch.Tensor, on_device: bool) -> None:
+    def _set_tag(self, tensor: torch.Tensor, on_device: bool, inner: bool = True) -> None:
         if on_device:
-            self._tag(tensor)
+            self._tag(tensor, inner)
         elif self.is_on_device(tensor):
             del self._tags[id(tensor)]
 
@@ -146,6 +167,10 @@ class SimulatedAccelerator(TorchFunctionMode):
                     on_device = True
                 elif host is None and arg.dim():
                     host = arg
+                if type(arg) not in _PLAIN and _is_wrapper(arg):  # its inner tensors are inputs too
+                    inside_on_device, inside_host = self._scan(tuple(_inner(arg)))
+                    on_device = on_device or inside_on_device
+                    host = host if host is not None else inside_host
             elif isinstance(arg, (list, tuple, dict)) and arg:  # the slow path: tensors in containers
                 return self._scan(tuple(_tensors(inputs)))
         return on_device, host
@@ -169,14 +194,21 @@ class SimulatedAccelerator(TorchFunctionMode):
             if on_device and result is not src:
                 self._tag(result)
             return result
-        if _aliases(result, src):
+        if type(result) not in _PLAIN and _is_wrapper(
+            result
+        ):  # copies of its inner tensors (its `clone` may not keep it)
+            result = _separate(src, result)
+        elif _aliases(result, src):
             result = result.clone()  # torch did not copy: on an accelerator it would have
         self._set_tag(result, target)
         self._count(target, result, src, op)
         return result
 
     def _count(self, to_device: bool, result: torch.Tensor, src: torch.Tensor, op: str) -> None:
-        nbytes = result.numel() * result.element_size()
+        if type(result) not in _PLAIN and _is_wrapper(result):  # its inner tensors crossed, not its dequantized size
+            nbytes = sum(t.numel() * t.element_size() for t in _inner(result) if not _is_wrapper(t))
+        else:
+            nbytes = result.numel() * result.element_size()
         self._copies.append(Transfer("h2d" if to_device else "d2h", nbytes, isinstance(src, torch.nn.Parameter), op))
 
     def _to(self, func, args: tuple, kwargs: dict):
@@ -275,6 +307,47 @@ class SimulatedAccelerator(TorchFunctionMode):
 
     def _unchecked(self, func, args: tuple, kwargs: dict):
         return func(*args, **kwargs)
+
+
+#: Types that are never wrapper subclasses (the fast path of `_tag` and `_scan`).
+_PLAIN = frozenset((_Tensor, torch.nn.Parameter))
+_SWAP_TENSORS = torch.utils.swap_tensors
+#: Wrappers nest (a torchao tensor inside another): deeper than this is not looked into.
+_MAX_DEPTH = 4
+
+
+def _is_wrapper(tensor: torch.Tensor) -> bool:
+    """A subclass that holds its data in inner tensors (`__tensor_flatten__`), not in a storage of its own."""
+    return callable(getattr(type(tensor), "__tensor_flatten__", None))
+
+
+def _inner(tensor: torch.Tensor, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The inner tensors of a wrapper subclass (nested wrappers' too, to `_MAX_DEPTH`); nothing for other tensors."""
+    if depth >= _MAX_DEPTH or not _is_wrapper(tensor):
+        return
+    names, _ = tensor.__tensor_flatten__()
+    for name in names:
+        part = getattr(tensor, name, None)
+        if isinstance(part, _Tensor):
+            yield part
+            yield from _inner(part, depth + 1)
+
+
+def _separate(src: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """A wrapper subclass moved across the simulated bus, with inner tensors of its own: torch ran the move on the
+    host, where the subclass's inner `.to()` hands back the source's own inner tensors, which an accelerator would have
+    copied (the source keeps its place). Rebuilt with copies of those through `__tensor_unflatten__`."""
+    names, context = result.__tensor_flatten__()
+    sources = list(_inner(src))
+    inner, shared = {}, False
+    for name in names:
+        part = getattr(result, name)
+        if any(_aliases(part, other) for other in sources if not _is_wrapper(other) and not _is_wrapper(part)):
+            part, shared = part.clone(), True
+        inner[name] = part
+    if not shared:
+        return result
+    return type(result).__tensor_unflatten__(inner, context, result.shape, result.stride())
 
 
 def _is_device(device) -> bool:

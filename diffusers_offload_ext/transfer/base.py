@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from ..constants import COPY
+from ..storages import storage_nbytes
 from .book import BOOK, Book, Entry
 from .ring import Copier
 
@@ -87,12 +88,9 @@ class Transfer:
         return found.pop() if len(found) == 1 else MIXED
 
     def bytes_off(self, module: torch.nn.Module, target: torch.device) -> int:
-        """Bytes of `module`'s tensors that are not on `target` (each tensor once)."""
-        seen = {}
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            if tensor.device != target:
-                seen[id(tensor)] = tensor.numel() * tensor.element_size()
-        return sum(seen.values())
+        """Bytes of the storages behind `module`'s tensors that are not on `target` (each storage once, quantization
+        state included: `storages.storage_nbytes`)."""
+        return storage_nbytes(t for t in list(module.parameters()) + list(module.buffers()) if t.device != target)
 
     def record(self, module: torch.nn.Module, resident: bool) -> None:
         """Set the record where tensors cannot tell (after an explicit `pipe.to(...)` on the plain CPU)."""

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from ..storages import module_storage_nbytes
 from .host_copy import HostCopy
 
 
@@ -26,13 +27,18 @@ def first_tensor(module: torch.nn.Module) -> Optional[torch.Tensor]:
 
 
 def module_nbytes(module: torch.nn.Module) -> int:
-    """Bytes of the parameters and buffers of `module` (each tensor counted once)."""
-    seen = {}
-    for tensor in module.parameters():
-        seen[id(tensor)] = tensor.numel() * tensor.element_size()
-    for tensor in module.buffers():
-        seen[id(tensor)] = tensor.numel() * tensor.element_size()
-    return sum(seen.values())
+    """Bytes of the storages behind `module`'s parameters and buffers, seen through tensor subclasses and including
+    their quantization state (bitsandbytes, GGUF, torchao, optimum-quanto), each storage counted once.
+
+    Example:
+        ```py
+        >>> import torch
+        >>> from diffusers_offload_ext import module_nbytes
+        >>> module_nbytes(torch.nn.Linear(4, 2))  # 8 weights and 2 biases, 4 bytes each
+        40
+        ```
+    """
+    return module_storage_nbytes(module)
 
 
 class Entry:

@@ -1,6 +1,6 @@
 """`BlockStreamer`: runs one component larger than the room the budget leaves it. Its kept blocks go to the device
-for as long as it streams; every other block is copied into a ring buffer just before it runs (prefetched `depth`
-blocks ahead along the order the blocks ran in) and released right after, its host tensors put back.
+for as long as it streams; every other block is copied into a ring buffer just before it runs (prefetched `depth` ahead
+in the order blocks ran) and released right after, host tensors put back (`quant_state` too: `quant_state.py`).
 
 Streamed blocks live on the device only during their own forward. A change made to one there (an in-place update of a
 parameter or buffer, a replaced tensor) is seen at release from the tensors' identity, data pointer and version
@@ -18,83 +18,13 @@ import torch
 
 from ..constants import COPY, DROP, OFFLOAD, ONLOAD, PREFETCH
 from .base import HOST
-from .inference import has_inference_parameters, streams_ordinary_tensors, version_of
-from .host_copy import HostCopy
+from .block_swap import StreamedBlock, device_of
+from .inference import has_inference_parameters, streams_ordinary_tensors
+from .kept_blocks import KeptBlocks
 from .ring import Copier, Ring
 
 #: `(block, direction, nbytes, kind)`: told of every block move.
 Emit = Callable[[str, str, int, str], None]
-
-
-class _Streamed:
-    """One streamed block: where its tensors live, their host tensors, and its place in the ring."""
-
-    def __init__(self, block) -> None:
-        self.name, self.module, self.slots, self.nbytes = block.name, block.module, block.slots, block.nbytes
-        tables = [(sub._parameters if is_param else sub._buffers, key) for sub, is_param, key in self.slots]
-        self.tables = tables
-        self.originals = [table[key] for table, key in tables]
-        self.hosts = [t.data if isinstance(t, torch.nn.Parameter) else t for t in self.originals]
-        self.views: List[torch.Tensor] = []
-        self.marks: List[int] = []
-        self.slot: Optional[int] = None
-        self.running = False
-
-    def swap_in(self) -> None:
-        for (table, key), original, view in zip(self.tables, self.originals, self.views):
-            if isinstance(original, torch.nn.Parameter):
-                original.data = view
-                table[key] = original
-            else:
-                table[key] = view
-        self.marks = [version_of(table[key]) for table, key in self.tables]
-
-    def changed(self) -> bool:
-        for (table, key), original, view, mark in zip(self.tables, self.originals, self.views, self.marks):
-            now = table.get(key)
-            expected = original if isinstance(original, torch.nn.Parameter) else view
-            if now is not expected or now.data_ptr() != view.data_ptr():
-                return True
-            if mark is None or version_of(now) != mark:  # no counter to read: taken as changed (written back)
-                return True
-        return False
-
-    def swap_out(self, write_back: bool) -> None:
-        with torch.no_grad():
-            for i, (table, key) in enumerate(self.tables):
-                now = table.get(key)
-                if write_back and now is not None:
-                    host = self.hosts[i]
-                    if now.shape == host.shape and now.dtype == host.dtype and not host.is_inference():
-                        self.hosts[i].copy_(now.data)
-                    else:
-                        # A new shape (it no longer fits the ring: refused at load) or an inference tensor: a fresh copy.
-                        self.hosts[i] = now.data.to(HOST, copy=True)  # never a view of the ring
-                original = self.originals[i]
-                if isinstance(original, torch.nn.Parameter):
-                    original.data = self.hosts[i]
-                    table[key] = original
-                else:
-                    table[key] = self.originals[i] = self.hosts[i]
-        self.views, self.marks, self.running = [], [], False
-
-
-def _device_of(slots) -> Optional[torch.device]:
-    """Where the first tensor in `slots` is (`None`: it is gone)."""
-    sub, is_param, key = slots[0]
-    tensor = (sub._parameters if is_param else sub._buffers).get(key)
-    return None if tensor is None else tensor.device
-
-
-def _move_slots(slots, device: torch.device, non_blocking: bool = False) -> None:
-    """Move the tensors in `slots` to `device` (a parameter keeps its object; a buffer is replaced)."""
-    with torch.no_grad():
-        for sub, is_param, key in slots:
-            table = sub._parameters if is_param else sub._buffers
-            if is_param:
-                table[key].data = table[key].data.to(device, non_blocking=non_blocking)
-            else:
-                table[key] = table[key].to(device, non_blocking=non_blocking)
 
 
 class BlockStreamer:
@@ -133,14 +63,16 @@ class BlockStreamer:
         self.component, self.device, self.copier, self.emit, self.check = component, device, copier, emit, check
         self.depth = max(plan.slots - 1, 1)
         self.kept = [b for b in blocks if b.name in set(plan.kept)]
-        self.streamed: Dict[str, _Streamed] = {b.name: _Streamed(b) for b in blocks if b.name not in set(plan.kept)}
+        self.streamed: Dict[str, StreamedBlock] = {
+            b.name: StreamedBlock(b) for b in blocks if b.name not in set(plan.kept)
+        }
         known = [n for n in (order or ()) if n in self.streamed]
         #: The streamed blocks in the order they run (the prefetch follows it): last time's, else module order.
         self.runs = known or list(self.streamed)
         self.slot_bytes, self.slots = plan.slot_bytes, plan.slots
         self.uses: Dict[str, int] = {block.name: 0 for block in blocks}
         self.seen: List[str] = []
-        self.copies: Dict[str, HostCopy] = {}
+        self.keeper = KeptBlocks(component, self.kept, device, copier, emit, check)
         self.ring: Optional[Ring] = None
         self._holder: List[Optional[str]] = []
         self._tokens: List[object] = []
@@ -151,12 +83,7 @@ class BlockStreamer:
     @streams_ordinary_tensors
     def start(self) -> None:
         """Kept blocks to the device, the ring allocated, hooks on the streamed blocks, the first blocks prefetched."""
-        for block in self.kept:
-            copy = HostCopy(self.component, self.check, only=block.slots)
-            self.copier.onload_kept(block.slots, self.device, _move_slots)
-            copy.seal(self.component)
-            self.copies[block.name] = copy
-            self.emit(block.name, ONLOAD, block.nbytes, COPY)
+        self.keeper.load()
         self.ring = Ring(self.device, self.slot_bytes, self.slots)
         self._holder, self._tokens, self._freed = [None] * self.slots, [None] * self.slots, [None] * self.slots
         for name, block in self.streamed.items():
@@ -187,22 +114,15 @@ class BlockStreamer:
         self.settle()
         self._learned()
         self._unhook()
-        for block in self.kept:
-            copy = self.copies.pop(block.name)
-            if copy.check and copy.unchanged(self.component):
-                copy.restore(self.component)
-                self.emit(block.name, OFFLOAD, block.nbytes, DROP)
-                continue
-            if not copy.write_back(self.component):
-                _move_slots(block.slots, HOST)  # a new shape or dtype: only a fresh host copy can hold it
-            self.emit(block.name, OFFLOAD, block.nbytes, COPY)
+        self.keeper.evict()
 
     def abandon(self) -> None:
         """The weights were moved some other way: stop streaming where they are now (nothing is copied)."""
         self._learned()
         self._unhook()
         self.copier.drain()
-        self.ring, self.copies = None, {}
+        self.ring = None
+        self.keeper.forget()
 
     def _unhook(self) -> None:
         for handle in self._handles:
@@ -225,7 +145,7 @@ class BlockStreamer:
         slot = block.slot if block.slot is not None else self._load(name, ahead=False)
         self.copier.wait(self._tokens[slot])
         self._tokens[slot] = None
-        block.swap_in()
+        block.swap_in(self.device)
         block.running = True
         self.uses[name] += 1
         self._learn(name)
@@ -310,6 +230,6 @@ class BlockStreamer:
 
 def intact(streamer: BlockStreamer) -> bool:
     """Whether the weights are where `streamer` put them: kept blocks on the device, streamed ones on the host."""
-    if any(_device_of(block.slots) != streamer.device for block in streamer.kept):
+    if any(device_of(block.slots) != streamer.device for block in streamer.kept):
         return False
-    return all(block.running or _device_of(block.slots) == HOST for block in streamer.streamed.values())
+    return all(block.running or device_of(block.slots) == HOST for block in streamer.streamed.values())

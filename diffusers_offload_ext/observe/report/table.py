@@ -8,7 +8,8 @@ from typing import List, Optional
 from ...units import format_size
 from .summary import summarize
 
-_COUNTS = ("onloads", "offloads", "onloaded", "offloaded", "dropped", "seconds")
+#: The count columns: moves (onloads, offloads), their bytes and the dropped bytes, seconds (the caption says so).
+_COUNTS = ("on", "off", "onloaded", "offloaded", "dropped", "seconds")
 
 
 def format_seconds(seconds: Optional[float]) -> str:
@@ -24,10 +25,15 @@ def format_seconds(seconds: Optional[float]) -> str:
 def caption(trace) -> str:
     parts = []
     if trace.replayed:
-        parts.append("[bold red]REPLAYED, not measured:[/] moves marked 'replayed' come from stock's policy.")
+        parts.append(
+            "[bold red]REPLAYED, not measured:[/] moves marked 'replayed' (calls marked *) come from stock's policy."
+        )
     parts.extend(trace.notes)
     parts.extend(streamed_notes(trace))
     sources = ", ".join(trace.sources) or "none"
+    parts.append(
+        "on, off: onloads and offloads; onloaded, offloaded: their bytes; dropped: bytes released without a copy."
+    )
     parts.append(f"Sources of the moves: {sources}. Seconds: measured moves only.")
     return "\n".join(parts)
 
@@ -48,52 +54,79 @@ def streamed_notes(trace) -> List[str]:
     return lines
 
 
+def short_size(nbytes: float) -> str:
+    """`format_size` with three significant digits at most (`"85.2 KiB"`), for narrow columns."""
+    text = format_size(nbytes)
+    number, _, unit = text.partition(" ")
+    return text if unit == "B" else f"{float(number):.3g} {unit}"
+
+
 def cells(counter: dict) -> List[str]:
     """The count columns of one row."""
     seconds = format_seconds(counter["seconds"]) if counter["timed_moves"] else "-"
     return [
         str(counter["onloads"]),
         str(counter["offloads"]),
-        format_size(counter["onload_bytes"]),
-        format_size(counter["offload_bytes"]),
-        format_size(counter["dropped_bytes"]),
+        short_size(counter["onload_bytes"]),
+        short_size(counter["offload_bytes"]),
+        short_size(counter["dropped_bytes"]),
         seconds,
     ]
 
 
 def summary_table(trace, *, by: str = "component"):
-    """A `rich.table.Table`: moves, bytes and seconds per component (`by="component"`) or per call (`by="call"`)."""
+    """A `rich.table.Table`: moves, bytes and seconds per component (`by="component"`) or per call (`by="call"`).
+
+    Readable at 80 columns: no vertical rules, short headers (the caption says what they count), the sources column
+    only when the moves come from more than one source (the caption names them), replayed calls marked `*`.
+    """
+    from rich import box
     from rich.table import Table
 
     if by not in ("component", "call"):
         raise ValueError(f"`by` must be 'component' or 'call', got {by!r}.")
     summary = summarize(trace)
     title = f"{trace.pipeline or 'pipeline'} on {trace.device or 'unknown device'}: {len(trace.calls)} call(s)"
-    table = Table(title=title, caption=caption(trace), caption_justify="left")
+    table = Table(
+        title=title,
+        caption=caption(trace),
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+
+    def column(header: str, justify: str = "right") -> None:
+        table.add_column(header, justify=justify, no_wrap=True)
+
     if by == "component":
-        table.add_column("component")
-        table.add_column("size", justify="right")
+        column("component", "left")
+        column("size")
     else:
-        table.add_column("call")
-        table.add_column("steps", justify="right")
-        table.add_column("offload", justify="left")
-    for column in _COUNTS:
-        table.add_column(column, justify="right")
-    table.add_column("sources" if by == "component" else "replayed")
-    (_component_rows if by == "component" else _call_rows)(table, trace, summary)
+        column("call", "left")
+        column("steps")
+        column("mode", "left")
+    for name in _COUNTS:
+        column(name)
+    several = len(trace.sources) > 1 and by == "component"
+    if several:
+        column("sources", "left")
+    (_component_rows if by == "component" else _call_rows)(table, trace, summary, several)
     return table
 
 
-def _component_rows(table, trace, summary: dict) -> None:
+def _component_rows(table, trace, summary: dict, several: bool) -> None:
     for name, counter in summary["per_component"].items():
         sources = sorted({r.source for r in trace.records if r.component == name})
-        size = format_size(trace.components[name]) if name in trace.components else "?"
-        table.add_row(name, size, *cells(counter), ", ".join(sources) or "-")
-    table.add_row("[bold]total[/]", format_size(sum(trace.components.values())), *cells(summary["total"]), "")
+        size = short_size(trace.components[name]) if name in trace.components else "?"
+        extra = [", ".join(sources) or "-"] if several else []
+        table.add_row(name, size, *cells(counter), *extra)
+    extra = [""] if several else []
+    table.add_row("[bold]total[/]", short_size(sum(trace.components.values())), *cells(summary["total"]), *extra)
 
 
-def _call_rows(table, trace, summary: dict) -> None:
+def _call_rows(table, trace, summary: dict, several: bool) -> None:
     for key, counter in summary["per_call"].items():
-        replayed = "[bold red]yes[/]" if counter["replayed"] else "no"
-        table.add_row(key, str(counter["steps"]), str(counter["mode"] or "-"), *cells(counter), replayed)
-    table.add_row("[bold]total[/]", "", "", *cells(summary["total"]), "yes" if trace.replayed else "no")
+        call = f"{key} [bold red]*[/]" if counter["replayed"] else key  # the caption says what * means
+        table.add_row(call, str(counter["steps"]), str(counter["mode"] or "-"), *cells(counter))
+    table.add_row("[bold]total[/]", "", "", *cells(summary["total"]))

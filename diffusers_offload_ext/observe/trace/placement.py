@@ -8,6 +8,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 import torch
 
 from ...constants import COPY, DROP, OFFLOAD, ONLOAD
+from ...storages import storage_nbytes
 from .devices import device_name
 
 #: `(qualified name, owning module, local name, is parameter)` of one parameter or buffer.
@@ -19,7 +20,8 @@ Changes = Dict[Tuple[str, str, str], int]
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+    """Bytes of the storages behind `tensor` (through tensor subclasses, quantization state included)."""
+    return storage_nbytes((tensor,))
 
 
 def slots(module: torch.nn.Module, prefix: str = "") -> List[Slot]:

@@ -1,0 +1,60 @@
+"""`KeptBlocks`: the blocks of a streaming component that stay on the device for as long as it streams: moved there
+(with their quantization state) when streaming starts, evicted when it stops, without a copy when unchanged."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import torch
+
+from ..constants import COPY, DROP, OFFLOAD, ONLOAD
+from .base import HOST
+from .block_swap import move_slots
+from .host_copy import HostCopy
+from .quant_state import carry, restore_state
+
+
+class KeptBlocks:
+    """The kept blocks of `component`.
+
+    Args:
+        component (`torch.nn.Module`): The streaming component.
+        blocks (`List[Block]`): Its kept blocks.
+        device (`torch.device`): The execution device.
+        copier (`Copier`): How they are copied to the device (`Copier.onload_kept`).
+        emit (`Callable`): Told of every block move, `(block, direction, nbytes, kind)`.
+        check (`bool`): Fingerprint them, so that an unchanged block is dropped at eviction (False: always copied).
+    """
+
+    def __init__(self, component, blocks: List, device: torch.device, copier, emit: Callable, check: bool) -> None:
+        self.component, self.blocks, self.device, self.copier, self.emit = component, blocks, device, copier, emit
+        self.check = check
+        self.copies: Dict[str, HostCopy] = {}
+        self.states: Dict[str, list] = {}  # the kept blocks' quantization state (host tensors)
+
+    def load(self) -> None:
+        """Every kept block to the device, its host copy kept and sealed."""
+        for block in self.blocks:
+            copy = HostCopy(self.component, self.check, only=block.slots)
+            self.copier.onload_kept(block.slots, self.device, move_slots)
+            self.states[block.name] = carry(block.slots, self.device)
+            copy.seal(self.component)
+            self.copies[block.name] = copy
+            self.emit(block.name, ONLOAD, block.nbytes, COPY)
+
+    def evict(self) -> None:
+        """Every kept block back to the host: dropped when unchanged, else copied back."""
+        for block in self.blocks:
+            copy = self.copies.pop(block.name)
+            restore_state(self.states.pop(block.name, ()))
+            if copy.check and copy.unchanged(self.component):
+                copy.restore(self.component)
+                self.emit(block.name, OFFLOAD, block.nbytes, DROP)
+                continue
+            if not copy.write_back(self.component):
+                move_slots(block.slots, HOST)  # a new shape or dtype: only a fresh host copy can hold it
+            self.emit(block.name, OFFLOAD, block.nbytes, COPY)
+
+    def forget(self) -> None:
+        """The weights were moved some other way: nothing is held for them any more."""
+        self.copies, self.states = {}, {}
