@@ -257,11 +257,14 @@ def _attach(pipe, session: Session) -> None:
     previous = None
     chain = session.arrangement.chain
     session.hooks = {}
-    for name in session.arrangement.hooked:
+    watched = session.policy.watched  # the policy hears when these run; nothing offloads them
+    for name in session.arrangement.hooked + tuple(n for n in session.layout.order if n in watched):
         module = session.modules[name]
         hook = DeferredCpuOffload(session, name, session.device, prev_module_hook=previous if name in chain else None)
         add_hook_to_module(module, hook, append=True)
         session.hooks[name] = hook
+        if name in watched:
+            continue
         handle = OffloadHandle(module, hook)
         handles.append(handle)
         if name in chain:

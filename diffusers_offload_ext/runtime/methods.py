@@ -56,8 +56,8 @@ def enable_model_cpu_offload(
         device (`torch.device` or `str`, *optional*, defaults to `None`):
             The device to run on. Defaults to the device set by the previous call, or the available accelerator.
         exclude_from_offload (`str` or `List[str]`, *optional*, defaults to `None`):
-            Components moved to the execution device once and never offloaded (no hook, not moved at the end of a
-            call). They are removed from the `model_cpu_offload_seq` chain.
+            Components moved to the execution device once and never offloaded (not moved at the end of a call).
+            One of the `model_cpu_offload_seq` chain still evicts its predecessor when it runs.
         keep_on_device_during_generation (`bool`, `str` or `List[str]`, *optional*, defaults to `None`):
             Components (`True`: all of them) that, once on the device, stay there until the pipeline call ends,
             instead of being evicted when the next model of the chain runs (for example when a step callback
