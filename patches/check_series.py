@@ -18,8 +18,8 @@ then the feature, `main/` (for upstream) or its backport `v0.42.1/`. For each ba
 4. The feature patch changes fewer than 80 lines of `pipeline_utils.py`; the fixes don't mention the feature; no
    patch changes a deprecated pipeline; the test patches patch nothing (`mock.patch`, `monkeypatch`, assignments to
    `.to`); the docs' examples use no private attribute; the backport is marked as one in every commit message and the
-   `main` series in none; `PR.md` links `ISSUE.md`, diffusers#11872 and accelerate#3695, `PR-fixes.md` links the
-   fixes, and neither ticks a box without a link; `ISSUE.md` compares with Modular Diffusers' auto offload.
+   `main` series in none; `PR.md` links `ISSUE.md`, `PR-fixes.md`, diffusers#11872 and accelerate#3695, `ISSUE.md`
+   the last two and compares with Modular Diffusers' auto offload, and no text ticks a box without a link.
 
 `--diffusers-repo DIR` (a clone or the bare mirror of huggingface/diffusers that has commit 58eb52c, 2026-08-23, the
 newest `main` fetched) adds the full check: the series applied with plain `git am` to `main` and to `main` with the
