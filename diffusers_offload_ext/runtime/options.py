@@ -59,9 +59,9 @@ OPTIONS: Tuple[Option, ...] = (
         "exclude_from_offload", NAMES, "`str` or `List[str]`", "`None`", check.excluded_names, check.present_names,
         field="exclude_from_offload",
         values="a component name or a list of them",
-        summary="Moved to the execution device once, never offloaded; out of the `model_cpu_offload_seq` chain.",
-        doc="""Components moved to the execution device once and never offloaded (no hook, not moved at the end of a
-            call). They are removed from the `model_cpu_offload_seq` chain.""",
+        summary="Moved to the execution device once, never offloaded; one of the chain still evicts its predecessor.",
+        doc="""Components moved to the execution device once and never offloaded (not moved at the end of a call).
+            One of the `model_cpu_offload_seq` chain still evicts its predecessor when it runs, as stock's would.""",
     ),
     Option(
         "keep_on_device_during_generation", Union[bool, str, Iterable[str], None], "`bool`, `str` or `List[str]`",
