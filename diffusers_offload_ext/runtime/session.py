@@ -248,7 +248,7 @@ def _transfer_for(session: Session, arming) -> Transfer:
         for name in sorted(session.resident & set(session.modules)):
             session.move(name, OFFLOAD)
         transfer = None
-    overlaps = arming.options.prefetch and arming.device.type in COPY_STREAMS
+    overlaps = arming.options.prefetches and arming.device.type in COPY_STREAMS
     if transfer is None or transfer.asynchronous != overlaps:
         transfer = make_transfer(arming.device, prefetch=overlaps)
     transfer.pinning = pinned.store_for(arming.device) if arming.options.pin_memory is not False else None
