@@ -318,15 +318,32 @@ def test_the_ledger_is_bounded_and_its_summary_stays_exact():
     pipe.enable_model_cpu_offload(device="cpu")
     ledger = doe.transfer_ledger(pipe)
     call(pipe)
-    per_call = len(ledger.records)
-    bytes_per_call = sum(r.nbytes for r in ledger.records)
+    first = list(ledger.records)
+    per_call = len(first)
+    bytes_per_call = sum(r.copied_bytes for r in first)
     calls = 60
     for _ in range(calls - 1):
         call(pipe)
     assert len(ledger.records) < calls * per_call, "every record of every call is still held"
     summary = ledger.summary()
-    assert summary["total_bytes"] == calls * bytes_per_call
+    assert summary["total_bytes"] == ledger.copied_bytes() == calls * bytes_per_call
     assert len(summary["per_call"]) == calls
+    assert ledger.copied_bytes(call_index=0) == bytes_per_call  # a call whose records are gone
+    assert summary["per_component"]["transformer"]["onloads"] == calls
+    held = ledger.keep_calls
+    assert {r.call_index for r in ledger.records} == set(range(calls - held, calls))
+    assert len(ledger.records) == held * per_call
+    ledger.keep_calls = 2
+    assert [r.call_index for r in ledger.records] == [calls - 2] * per_call + [calls - 1] * per_call
+    assert ledger.summary() == summary  # trimming the records leaves the summary as it was
+    ledger.keep_calls = None
+    call(pipe)
+    assert len(ledger.records) == 3 * per_call
+    for bad, error in [(-1, ValueError), (2.5, TypeError), (True, TypeError)]:
+        with pytest.raises(error, match="keep_calls"):
+            ledger.keep_calls = bad
+    ledger.clear()
+    assert ledger.records == [] and ledger.summary()["total_bytes"] == 0 and ledger.summary()["per_call"] == {}
 
 
 # -- 11: shared components are booked in the ledger of the pipeline whose call moved them --------------------------------
