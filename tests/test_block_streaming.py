@@ -9,7 +9,7 @@ import contextlib
 import diffusers
 import pytest
 import torch
-from harness import max_abs_diff
+from harness import diffusers_logs, max_abs_diff
 from simulated_accelerator import SimulatedAccelerator
 
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: block streaming")
@@ -272,7 +272,7 @@ def test_disarming_or_arming_again_puts_a_streaming_component_back_on_the_host()
 
 def test_a_budget_too_small_for_the_rest_and_the_ring_loads_it_alone_with_a_warning(caplog):
     pipe = deep_flux()
-    with SimulatedAccelerator(), caplog.at_level("WARNING", logger="diffusers_offload_ext"):
+    with SimulatedAccelerator(), diffusers_logs(caplog, "WARNING"):
         pipe.enable_model_cpu_offload(device="cpu", memory_budget=int(transformer_bytes(pipe) * 0.5))
         tiny.run(pipe, NAME)
     messages = [r.getMessage() for r in caplog.records if "cannot stream" in r.getMessage()]

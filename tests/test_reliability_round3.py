@@ -257,25 +257,51 @@ def test_a_reshape_through_data_on_the_device_survives_the_eviction(zero_copy):
 
 
 # -- 7: loggers obey diffusers' verbosity -----------------------------------------------------------------------------
-def test_our_log_lines_follow_diffusers_verbosity(capfd):
+def test_our_log_lines_follow_diffusers_verbosity():
+    import logging as std_logging
+
     from diffusers.utils import logging
 
-    before = logging.get_verbosity()
+    class Lines(std_logging.Handler):  # beside diffusers' own handler, on its library logger: levels untouched
+        def __init__(self):
+            super().__init__(std_logging.DEBUG)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    def streaming_call():
+        pipe = deep_flux()
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=streaming_budget(pipe))
+        call(pipe)
+
+    before, lines = logging.get_verbosity(), Lines()
+    library = std_logging.getLogger("diffusers")
+    library.addHandler(lines)
     try:
         logging.set_verbosity_info()
-        pipe = deep_flux()
-        pipe.enable_model_cpu_offload(device="cpu", memory_budget=streaming_budget(pipe))
-        call(pipe)
-        shown = capfd.readouterr().err
+        streaming_call()
+        shown, lines.lines = lines.lines, []
         logging.set_verbosity_error()
-        pipe = deep_flux()
-        pipe.enable_model_cpu_offload(device="cpu", memory_budget=streaming_budget(pipe))
-        call(pipe)
-        silenced = capfd.readouterr().err
+        streaming_call()
+        silenced = lines.lines
     finally:
+        library.removeHandler(lines)
         logging.set_verbosity(before)
-    assert "stream" in shown, "set_verbosity_info() does not show that the transformer streams"
-    assert "stream" not in silenced, "set_verbosity_error() does not silence our lines"
+    assert any("it streams" in line for line in shown), "set_verbosity_info() does not show that it streams"
+    assert not any("stream" in line for line in silenced), "set_verbosity_error() does not silence our lines"
+
+
+def test_every_logger_of_ours_is_under_diffusers():
+    import importlib
+    import logging
+    import pkgutil
+
+    for info in pkgutil.walk_packages(doe.__path__, prefix="diffusers_offload_ext."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+    ours = [name for name in logging.root.manager.loggerDict if "diffusers_offload_ext" in name]
+    assert ours and all(name.startswith("diffusers.diffusers_offload_ext") for name in ours), ours
 
 
 # -- 8: a combined pipeline's sub-pipeline called on its own -----------------------------------------------------------

@@ -22,7 +22,7 @@ from .options import OffloadOptions, resolve_options
 from .placement import Sizes
 from .session import Session, session_of
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 
 class Arming(NamedTuple):

@@ -15,7 +15,7 @@ from ..transfer.ring import aligned_nbytes, streamable
 from ..transfer.streaming import BlockStreamer
 from ..units import format_size
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 
 class BlockStatus(NamedTuple):

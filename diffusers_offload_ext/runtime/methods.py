@@ -19,7 +19,7 @@ from .hook import detach
 from .options import docstring, signature, take
 from .session import unpin
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 
 def enable_model_cpu_offload(

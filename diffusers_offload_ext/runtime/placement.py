@@ -16,7 +16,7 @@ from ..transfer.streaming import intact
 from . import sharing
 from .block_streams import BlockStreams, stream_room
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 
 class Sizes(Mapping):

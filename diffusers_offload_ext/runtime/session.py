@@ -20,7 +20,7 @@ from .exclusion import Exclusion
 from .options import OffloadOptions
 from .placement import Placement, Sizes
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 
 class Session:

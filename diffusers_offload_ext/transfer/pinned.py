@@ -26,7 +26,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 from diffusers.utils import logging
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 HOST = torch.device("cpu")
 #: Of the host's memory (the smaller of physical memory and the cgroup limit), the share page-locked memory may take.
