@@ -373,18 +373,32 @@ def test_the_ledger_is_bounded_and_its_summary_stays_exact():
 
 
 # -- 11: shared components are booked in the ledger of the pipeline whose call moved them --------------------------------
-def test_a_shared_component_is_booked_only_by_the_pipeline_whose_call_moved_it():
+@pytest.mark.parametrize("build", ["from_pipe", "constructor"])
+def test_a_shared_component_is_booked_only_by_the_pipeline_whose_call_moved_it(build):
     from diffusers import StableDiffusionControlNetPipeline
 
-    with SimulatedAccelerator():
+    with SimulatedAccelerator() as sim:
         sd = tiny.build("sd15")
-        control = StableDiffusionControlNetPipeline.from_pipe(sd, controlnet=tiny.build("sd_controlnet").controlnet)
+        controlnet = tiny.build("sd_controlnet").controlnet
+        if build == "from_pipe":
+            control = StableDiffusionControlNetPipeline.from_pipe(sd, controlnet=controlnet)
+        else:
+            control = StableDiffusionControlNetPipeline(**sd.components, controlnet=controlnet)
         control.set_progress_bar_config(disable=True)
         assert control.vae is sd.vae and control.unet is sd.unet
-        budget = sum(doe.module_nbytes(m) for m in modules(control).values())
-        for p in (sd, control):
-            p.enable_model_cpu_offload(device="cpu", memory_budget=budget, keep_on_device_between_generations=True)
-        control_ledger = doe.transfer_ledger(control)
+        total = sum(doe.module_nbytes(m) for m in modules(control).values())
+        # Everything of the SD pipeline fits its budget; the ControlNet pipeline's is smaller: when the SD pipeline's
+        # call loads a shared component, the ControlNet pipeline makes room in its own budget.
+        sd.enable_model_cpu_offload(device="cpu", memory_budget=total, keep_on_device_between_generations=True)
+        budget = int(total * 0.6)
+        control.enable_model_cpu_offload(device="cpu", memory_budget=budget, keep_on_device_between_generations=True)
+        control_ledger, sd_ledger = doe.transfer_ledger(control), doe.transfer_ledger(sd)
         for _ in range(2):
             tiny.run(sd, "sd15")
         assert [(r.component, r.direction, r.call_index) for r in control_ledger.records] == []
+        made_room = [r for r in sd_ledger.records if r.direction == "offload"]
+        assert made_room and all(r.call_index is not None for r in made_room)  # booked by the SD pipeline's calls
+        assert doe.offload_status(control).resident_bytes <= budget
+        for pipe in (sd, control):
+            for name, status in doe.offload_status(pipe).components.items():
+                assert sim.where(pipe.components[name]) == ("device" if status.resident else "host"), name
