@@ -227,17 +227,18 @@ class Session:
             self.placement.placed(module, direction == ONLOAD)
             return moved.nbytes, PREFETCH if ahead else moved.kind
 
-        booker = self._booker(module)
+        booker = _booker(self, module)
         record = booker.recorder.record(booker.name_of(module) or name, direction, module, carry)
         logger.debug(f"{direction} `{name}` ({record.nbytes} bytes, {record.kind})")
         if direction == ONLOAD:
             _make_room(module, self)
 
-    def _booker(self, module: torch.nn.Module) -> "Session":
-        """The session whose ledger records a move of `module`: that of the innermost pipeline call running that
-        holds it (its call made the move, even where another pipeline's budget chose it), else this one."""
-        holder = sharing.running_holder(module) if sharing.running else None
-        return self if holder is None else holder
+
+def _booker(session: Session, module: torch.nn.Module) -> Session:
+    """The session whose ledger records a move of `module` that `session` makes: that of the innermost pipeline call
+    running that holds it (its call made the move, even where another pipeline's budget chose it), else `session`."""
+    holder = sharing.running_holder(module) if sharing.running else None
+    return session if holder is None else holder
 
 
 def _make_room(module: torch.nn.Module, loader: Session) -> None:
