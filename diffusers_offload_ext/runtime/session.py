@@ -42,7 +42,7 @@ class Session:
         self.arming = None
         self.transfer: Optional[Transfer] = None
         self.policy: Optional[Policy] = None
-        self.placement = Placement(self.recorder.record)
+        self.placement = Placement(self.recorder.record, self.calls)
         self.facts = Facts(Sizes(self.placement, None), stream_rooms=self.placement.stream_rooms)
         self.hooks: Dict[str, object] = {}
         self.exclusion = Exclusion()
@@ -168,11 +168,13 @@ class Session:
     def end_of_call(self, failed: bool) -> None:
         """The end of the call in progress, once per call (`maybe_free_model_hooks()`, or the call guard when the call
         returned or raised without it): its trace joins the history unless it `failed`, streams stop (what stays is
-        chosen among whole components), the policy's end-of-call moves are made (none where nothing is hooked)."""
+        chosen among whole components), the policy's end-of-call moves are made (none where nothing is hooked), and
+        what the streams learned in the call (block order and uses) is kept for the next unless it `failed`."""
         self.calls.end_trace(failed)
         if self.hooks:
             self.stop_streams()
             self.carry_out(self.policy.on_call_end(self.resident, self.facts))
+        self.streams.end_call(failed)
 
     def rearm(self) -> None:
         """Offload armed again, not at a call's end (an enable; `maybe_free_model_hooks()` outside a call or after its
