@@ -167,9 +167,9 @@ class Session:
 
     def end_of_call(self, failed: bool) -> None:
         """The end of the call in progress, once per call (`maybe_free_model_hooks()`, or the call guard when the call
-        returned or raised without it): its trace joins the history unless it `failed`, streams stop (what stays is
-        chosen among whole components), the policy's end-of-call moves are made (none where nothing is hooked), and
-        what the streams learned in the call (block order and uses) is kept for the next unless it `failed`."""
+        returned or raised without it): streams stop (what stays is chosen among whole components), the policy's
+        end-of-call moves are made (none where nothing is hooked); unless it `failed`, its trace joins the history
+        and what its streams learned (block order and uses) is kept."""
         self.calls.end_trace(failed)
         if self.hooks:
             self.stop_streams()
@@ -219,13 +219,7 @@ class Session:
 
         def carry() -> Tuple[int, str]:
             with torch.profiler.record_function(f"diffusers_offload_ext::{direction}::{name}"):
-                if direction == ONLOAD:
-                    pinning = self.transfer.pinning is not None
-                    keep_host = (self.options.drops or pinning) and name not in self.policy.stays
-                    onload = self.transfer.prefetch if ahead else self.transfer.onload
-                    moved = onload(module, keep_host=keep_host, check=self.options.drops)
-                else:
-                    moved = self.transfer.offload(module)
+                moved = _transferred(self, name, direction, ahead)
             self.placement.placed(module, direction == ONLOAD)
             return moved.nbytes, PREFETCH if ahead else moved.kind
 
@@ -234,6 +228,17 @@ class Session:
         logger.debug(f"{direction} `{name}` ({record.nbytes} bytes, {record.kind})")
         if direction == ONLOAD:
             _make_room(module, self)
+
+
+def _transferred(session: Session, name: str, direction: str, ahead: bool):
+    """Component `name` moved through `session`'s transfer; an onload keeps its host copy where an eviction may drop
+    it (or page-locked host memory is kept), unless the component never leaves the device."""
+    module, transfer = session.modules[name], session.transfer
+    if direction != ONLOAD:
+        return transfer.offload(module)
+    keep_host = (session.options.drops or transfer.pinning is not None) and name not in session.policy.stays
+    onload = transfer.prefetch if ahead else transfer.onload
+    return onload(module, keep_host=keep_host, check=session.options.drops)
 
 
 def _booker(session: Session, module: torch.nn.Module) -> Session:
