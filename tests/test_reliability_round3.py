@@ -224,20 +224,29 @@ def test_a_failed_call_does_not_become_the_next_calls_block_plan(accelerator, fa
 
 
 # -- 5: zero-copy with part of a component already on the device -------------------------------------------------------
+PARTS = {  # a part of a component put on the device by the user between calls
+    "moved": lambda pipe, device: pipe.vae.decoder.conv_out.to(device),
+    "built-on-the-device": lambda pipe, device: setattr(
+        pipe.vae.decoder, "conv_out", copy.deepcopy(pipe.vae.decoder.conv_out).to(device)
+    ),
+    "a-block-moved": lambda pipe, device: pipe.transformer.transformer_blocks[0].to(device),
+}
+
+
+@pytest.mark.parametrize("part", PARTS, ids=str)
 @pytest.mark.parametrize("options", [{"zero_copy_eviction": True}, {"keep_on_device_between_generations": True}])
-def test_a_part_already_on_the_device_at_onload_goes_home(options):
+def test_a_part_already_on_the_device_at_onload_goes_home(options, part):
     with SimulatedAccelerator() as sim:
         pipe = tiny.build(NAME)
         pipe.enable_model_cpu_offload(device="cpu", **options)
-        call(pipe)
+        expected = call(pipe)
         doe.release(pipe)
-        pipe.vae.decoder.conv_out.to(sim.device)  # moved by the user between calls
-        call(pipe)
-        doe.release(pipe)
-        call(pipe)
-        doe.release(pipe)
-        assert {n: sim.where(m) for n, m in modules(pipe).items()} == {n: "host" for n in modules(pipe)}
-        assert doe.offload_status(pipe).resident_bytes == 0
+        PARTS[part](pipe, sim.device)
+        for _ in range(2):  # that part goes home at the call's end (or the release), and again on a later call
+            assert max_abs_diff(call(pipe), expected) == 0.0
+            doe.release(pipe)
+            assert {n: sim.where(m) for n, m in modules(pipe).items()} == {n: "host" for n in modules(pipe)}
+            assert doe.offload_status(pipe).resident_bytes == 0
 
 
 # -- 6: a reshape through .data on the device -------------------------------------------------------------------------
