@@ -249,6 +249,23 @@ def test_a_part_already_on_the_device_at_onload_goes_home(options, part):
             assert doe.offload_status(pipe).resident_bytes == 0
 
 
+def test_a_streamed_block_found_on_the_device_goes_home_and_the_ledger_says_so():
+    with SimulatedAccelerator() as sim:
+        pipe = deep_flux()
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=streaming_budget(pipe))
+        block = streamed_blocks(pipe)[-1]
+        expected = call(pipe)
+        pipe.transformer.get_submodule(block).to(sim.device)  # moved by the user between calls
+        ledger = doe.transfer_ledger(pipe)
+        ledger.clear()
+        assert max_abs_diff(call(pipe), expected) == 0.0
+        doe.release(pipe)
+        assert {n: sim.where(m) for n, m in modules(pipe).items()} == {n: "host" for n in modules(pipe)}
+        assert doe.offload_status(pipe).resident_bytes == 0
+        home = [r for r in ledger.records if r.block == block and r.direction == "offload" and r.kind == "copy"]
+        assert home and home[0].nbytes == block_sizes(pipe.transformer)[block]
+
+
 # -- 6: a reshape through .data on the device -------------------------------------------------------------------------
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero-copy"])
 def test_a_reshape_through_data_on_the_device_survives_the_eviction(zero_copy):

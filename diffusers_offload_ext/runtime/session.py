@@ -112,6 +112,8 @@ class Session:
         entry = placement.entries[name]
         dirty = entry.dirty  # a recheck reads its size again
         if placement.drifted(name, self.transfer):
+            if dirty and name in placement.streams.active:
+                self.move(name, OFFLOAD)  # its structure changed: it streams again, from its blocks as they are now
             placement.recheck(name, self.transfer)
         if name not in placement.resident and not dirty:
             # About to be loaded, every tensor walked: its size is read again first (a tensor set to `None` or
