@@ -198,10 +198,8 @@ class BlockStreams:
     def _learn(self, name: str, streamer: BlockStreamer) -> None:
         self.choices.pop(name, None)
         if any(streamer.uses.values()):
-            (self.this_call if self.calls.in_call else self.learned)[name] = (
-                tuple(streamer.runs),
-                dict(streamer.uses),
-            )
+            learned = self.this_call if self.calls.in_call else self.learned
+            learned[name] = (tuple(streamer.runs), dict(streamer.uses))
 
     def status(self, name: str) -> Optional[BlockStatus]:
         streamer, choice = self.active.get(name), self.choices.get(name)
