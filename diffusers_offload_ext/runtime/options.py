@@ -140,8 +140,9 @@ OPTIONS: Tuple[Option, ...] = (
         "CUDA copy stream.",
         doc="""With the residency manager: while a component runs, start the onload of the one the previous call ran
             next, on a CUDA copy stream, when the budget has room for both (counted from that moment); the compute
-            stream waits for it before that component runs. Elsewhere onloads stay as they are. Opt-in until
-            measured on a GPU.""",
+            stream waits for it before that component runs. Elsewhere onloads stay as they are. While the manager
+            is off it has no effect and stays set: it acts again when the manager is on. Opt-in until measured on a
+            GPU.""",
     ),
 )  # fmt: skip
 #: The option names, in the signature's order.
@@ -162,7 +163,8 @@ class OffloadOptions:
         keep_between (`bool`, defaults to `False`): `keep_on_device_between_generations`.
         zero_copy (`bool`, *optional*): `zero_copy_eviction`; `None` (not set): on with the residency manager only.
         pin_memory (`bool` or `"auto"`, defaults to `False`): `pin_memory`.
-        prefetch (`bool`, defaults to `False`): `prefetch`.
+        prefetch (`bool`, defaults to `False`): `prefetch`; set while the manager is off, it acts again when the
+            manager is on (`prefetches`).
     """
 
     exclude_from_offload: Tuple[str, ...] = ()
@@ -185,6 +187,12 @@ class OffloadOptions:
         """Whether an eviction of an unchanged component only drops its device copy: with `zero_copy_eviction=True` in
         every mode; when it was never set, with the residency manager only."""
         return self.residency if self.zero_copy is None else self.zero_copy
+
+    @property
+    def prefetches(self) -> bool:
+        """Whether `prefetch` acts: it is set and the residency manager is on (it stays set while the manager is
+        off)."""
+        return self.prefetch and self.residency
 
     @property
     def keeps_nothing(self) -> bool:
