@@ -154,3 +154,56 @@ def test_an_edit_of_a_quantized_weight_on_the_device_survives_an_eviction_withou
         pipe(**tiny.call_kwargs(NAME, pipe=pipe), callback_on_step_end=edit)
         doe.release(pipe)
         assert torch.equal(tensor_parts(layer.weight)[0].detach().cpu(), edited[0])
+
+
+EIGHT_BIT = pytest.mark.skipif(not quantized.available("int8")[0], reason="needs bitsandbytes")
+
+
+def device_bytes_at_every_move(pipe, fixed_bytes):
+    """Bytes of weights on the device after each ledger record: the components that cannot move, whole components
+    onloaded and not yet offloaded, and the blocks in the ring or kept."""
+    held, totals = {}, []
+    for record in doe.transfer_ledger(pipe).records:
+        key = (record.component, record.block)
+        held[key] = record.nbytes if record.direction == "onload" else 0
+        totals.append(fixed_bytes + sum(held.values()))
+    return totals
+
+
+@EIGHT_BIT
+@pytest.mark.usefixtures("installed")
+def test_eight_bit_components_are_shown_cannot_move_and_an_option_naming_one_says_so_once(saved, caplog):
+    from diffusers_offload_ext.testing.simulated_accelerator import SimulatedAccelerator
+
+    with SimulatedAccelerator() as sim:
+        pipe = quantized.load("int8", saved, device=sim.device)
+        with caplog.at_level("WARNING", logger="diffusers_offload_ext"):
+            pipe.enable_model_cpu_offload(device="cpu", exclude_from_offload=["transformer"])
+            pipe.enable_model_cpu_offload(device="cpu", exclude_from_offload=["transformer"])  # already said
+        said = [r.getMessage() for r in caplog.records if "cannot move" in r.getMessage()]
+        status = doe.offload_status(pipe)
+        tiny.run(pipe, NAME)
+    assert len(said) == 1 and "['transformer']" in said[0] and "bitsandbytes 8-bit" in said[0]
+    for name in QUANTIZED:  # the README's `doe.offload_status(pipe).components["transformer"]`
+        component = status.components[name]
+        assert (component.role, component.where, component.resident) == ("cannot move", "device", True)
+        assert "bitsandbytes 8-bit" in component.why and component.nbytes == doe.module_nbytes(getattr(pipe, name))
+    assert status.resident_bytes == sum(doe.module_nbytes(getattr(pipe, n)) for n in QUANTIZED)
+    assert all(r.component not in QUANTIZED for r in doe.transfer_ledger(pipe).records)
+
+
+@EIGHT_BIT
+@pytest.mark.usefixtures("installed")
+def test_eight_bit_components_count_against_the_budget_at_every_move(saved):
+    from diffusers_offload_ext.testing.simulated_accelerator import SimulatedAccelerator
+
+    with SimulatedAccelerator() as sim:
+        pipe = quantized.load("int8", saved, device=sim.device)
+        fixed = sum(doe.module_nbytes(getattr(pipe, n)) for n in QUANTIZED)
+        others = [doe.module_nbytes(m) for n, m in pipe.components.items() if n in ("vae", "text_encoder")]
+        budget = fixed + max(others) + 1  # every movable component fits alone, not both beside the fixed ones
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, keep_on_device_between_generations=True)
+        for _ in range(2):
+            tiny.run(pipe, NAME)
+    assert max(device_bytes_at_every_move(pipe, fixed)) <= budget
+    assert [r for r in doe.transfer_ledger(pipe).records if r.call_index == 1]  # not everything could stay
