@@ -32,9 +32,8 @@ OPTIONS = {
 #: Every option, on both accelerators, per backend. bitsandbytes 8-bit components cannot move: they stay where they
 #: were loaded, shown in `offload_status` with the role "cannot move" and counted against the budget.
 PASSING = {backend: tuple(OPTIONS) for backend in quantized.BACKENDS}
-#: Backends whose transformer streams under a budget below it (GGUF, torchao, quanto refuse to stream for now: their
-#: tensor subclasses, one log line says so, and the transformer runs alone).
-STREAMING = {"nf4", "fp4", "layerwise"}
+#: Backends whose transformer streams under a budget below it: every one that can move (8-bit cannot).
+STREAMING = {"nf4", "fp4", "gguf", "torchao", "quanto", "layerwise"}
 
 
 def cells():
