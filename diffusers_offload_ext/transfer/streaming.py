@@ -1,13 +1,14 @@
 """`BlockStreamer`: runs one component larger than the room the budget leaves it. Its kept blocks go to the device
 for as long as it streams; every other block is copied into a ring buffer just before it runs (prefetched `depth` ahead
-in the order blocks ran) and released right after, host tensors put back (`quant_state` too: `quant_state.py`).
+in the order blocks ran) and released right after, host tensors put back (their quantization state too: `block_swap.py`).
 
 Streamed blocks live on the device only during their own forward. A change made to one there (an in-place update of a
 parameter or buffer, a replaced tensor) is seen at release from the tensors' identity, data pointer and version
 counter and copied back into the host tensors; edits through `.data`, which bump no counter, are seen for the kept
 blocks (fingerprints, as for whole components: `HostCopy`) but not for streamed blocks, which no code outside their
 forward can reach while they are on the device. Forward hooks are registered with `always_call`, so a block that
-raises still releases its buffer; `settle` releases whatever a failed call left.
+raises still releases its buffer; `settle` releases whatever a failed call left. Around a block compiled in place
+(regional compilation) they run outside its graph (`block_hooks.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from ..constants import COPY, DROP, OFFLOAD, ONLOAD, PREFETCH
 from .base import HOST
+from .block_hooks import Around
 from .block_swap import StreamedBlock, device_of
 from .inference import has_inference_parameters, streams_ordinary_tensors
 from .kept_blocks import KeptBlocks
@@ -87,13 +89,10 @@ class BlockStreamer:
         self.ring = Ring(self.device, self.slot_bytes, self.slots)
         self._holder, self._tokens, self._freed = [None] * self.slots, [None] * self.slots, [None] * self.slots
         for name, block in self.streamed.items():
-            pre = block.module.register_forward_pre_hook(lambda module, args, name=name: self.enter(name))
-            post = block.module.register_forward_hook(lambda m, a, out, name=name: self.leave(name), always_call=True)
-            self._handles += [pre, post]
+            enter, leave = (lambda name=name: self.enter(name)), (lambda name=name: self.leave(name))
+            self._handles.append(Around(block.module, enter, leave))
         for block in self.kept:  # counted too, so that the next plan weighs every block by its uses
-            self._handles.append(
-                block.module.register_forward_pre_hook(lambda m, a, name=block.name: self._count(name))
-            )
+            self._handles.append(Around(block.module, lambda name=block.name: self._count(name), None))
         for name in self.schedule(self.runs, None, self.depth, 0, self.passes):  # cross while the rest runs
             self._load(name, ahead=True)
 
