@@ -17,18 +17,14 @@ pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the residency 
 import diffusers_offload_ext as doe  # noqa: E402
 from diffusers_offload_ext.blocks import block_sizes  # noqa: E402
 from diffusers_offload_ext.testing import tiny  # noqa: E402
+from test_quantized_matrix import OPTIONS as MATRIX  # noqa: E402
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.usefixtures("installed")]
 NAME = "flux"
 STREAM = "stream"
-OPTIONS = {
-    "defaults": {},
-    "exclude": {"exclude_from_offload": ["transformer"]},
-    "keep-during": {"keep_on_device_during_generation": True},
-    "keep-between-budget": {"keep_on_device_between_generations": True, "memory_budget": "1GiB"},
-    "zero-copy": {"zero_copy_eviction": True},
-    STREAM: {"memory_budget": STREAM},  # 0.8x the transformer: it streams its blocks
-}
+#: The quantized matrix's options (`pin_memory="auto"` is nothing on the CPU), and a budget 0.8x the transformer.
+OPTIONS = {name: MATRIX[name] for name in ("defaults", "exclude", "keep-during", "keep-between-budget", "zero-copy")}
+OPTIONS[STREAM] = {"memory_budget": STREAM}
 HOOK = "DeferredCpuOffload.pre_forward"  # the component hook, where Dynamo meets it (in-place compilation)
 STREAMER = ("BlockStreamer.enter", "BlockStreamer.leave", "BlockStreamer._count")  # the streamed blocks' hooks
 
