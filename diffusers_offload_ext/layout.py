@@ -76,8 +76,9 @@ class PipelineLayout:
 
     @classmethod
     def from_pipeline(cls, pipe, class_excluded: Optional[Sequence[str]] = None) -> "PipelineLayout":
-        """The layout of a live pipeline. Components that are not `torch.nn.Module`s, and bitsandbytes 8-bit ones
-        (they cannot move), are left out. `class_excluded` defaults to the pipeline's `_exclude_from_cpu_offload`."""
+        """The layout of a live pipeline. Components that are not `torch.nn.Module`s, and those that cannot move
+        (`fixed_of`: bitsandbytes 8-bit ones), are left out. `class_excluded` defaults to the pipeline's `_exclude_from_cpu_offload`.
+        """
         order = tuple(modules_of(pipe.components))
         if class_excluded is None:
             class_excluded = getattr(pipe, "_exclude_from_cpu_offload", None) or ()
@@ -93,13 +94,30 @@ def split_sequence(sequence: Optional[str]) -> Tuple[str, ...]:
     return tuple(n.strip() for n in sequence.split("->")) if sequence else ()
 
 
+#: Why a bitsandbytes 8-bit component never moves (`offload_status`'s `why`, the log line naming one).
+EIGHT_BIT = (
+    "bitsandbytes 8-bit: `.to()` moves its int8 weights but not their row scales (`SCB`) nor each layer's matmul "
+    "state, which stay where it was loaded, so it runs only there"
+)
+
+
+def cannot_move(module) -> str:
+    """Why component `module` cannot move between the host and the device (`""`: it can)."""
+    return EIGHT_BIT if getattr(module, "is_loaded_in_8bit", False) else ""
+
+
 def modules_of(components, *, movable: bool = True) -> Dict[str, Any]:
     """The components that are `torch.nn.Module`s, in order; with `movable`, without those that cannot move
-    (bitsandbytes 8-bit ones)."""
+    (`cannot_move`: bitsandbytes 8-bit ones)."""
     import torch
 
     return {
         name: value
         for name, value in components.items()
-        if isinstance(value, torch.nn.Module) and not (movable and getattr(value, "is_loaded_in_8bit", False))
+        if isinstance(value, torch.nn.Module) and not (movable and cannot_move(value))
     }
+
+
+def fixed_of(components) -> Dict[str, Any]:
+    """The module components that cannot move (`cannot_move`), in order: they stay where they were loaded."""
+    return {name: value for name, value in modules_of(components, movable=False).items() if cannot_move(value)}

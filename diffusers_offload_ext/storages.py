@@ -146,7 +146,23 @@ def module_tensors(module: torch.nn.Module) -> List[torch.Tensor]:
     return out
 
 
+#: Attributes of a layer that hold its weights' quantization state outside its parameters: bitsandbytes'
+#: `Linear8bitLt.state` (a `MatmulLtState`), where the row scales (`SCB`) go after the layer's first forward.
+LAYER_STATE = ("state",)
+
+
+def layer_state(module: torch.nn.Module) -> List[torch.Tensor]:
+    """Tensors that `module`'s layers hold in a quantization state object (`LAYER_STATE`), each object once."""
+    found: List[torch.Tensor] = []
+    for sub in module.modules():
+        for name in LAYER_STATE:
+            value = vars(sub).get(name)
+            if value is not None and not isinstance(value, (torch.Tensor,) + _SCALARS):
+                found += _attributes(value, 1)
+    return found
+
+
 def module_storage_nbytes(module: torch.nn.Module) -> int:
-    """Bytes of the storages behind `module`'s parameters and buffers, quantization state included, each storage
-    once (`storage_nbytes`)."""
-    return storage_nbytes(module_tensors(module))
+    """Bytes of the storages behind `module`'s parameters and buffers, quantization state included (a layer's own,
+    `layer_state`, too), each storage once (`storage_nbytes`)."""
+    return storage_nbytes(module_tensors(module) + layer_state(module))

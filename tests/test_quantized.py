@@ -131,9 +131,11 @@ def test_plan_sizes_a_format_from_its_own_layout(saved, backend, fmt, tolerance)
 
 
 @pytest.mark.usefixtures("installed")
+@pytest.mark.parametrize("part", [0, -1], ids=["its-data", "its-last-part"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_an_edit_of_a_quantized_weight_on_the_device_survives_an_eviction_without_a_copy(saved, backend):
-    # Zero-copy eviction sees into a subclass's storages or copies back (tensor subclasses cannot be fingerprinted).
+def test_an_edit_of_a_quantized_weight_on_the_device_survives_an_eviction_without_a_copy(saved, backend, part):
+    # Zero-copy eviction sees into every storage of a quantized weight: its data (int8 rows, packed 4-bit, GGUF
+    # blocks) and its last part (a scale, bitsandbytes' quantization state); an edit of either is copied back.
     from diffusers_offload_ext.storages import tensor_parts
     from diffusers_offload_ext.testing.simulated_accelerator import SimulatedAccelerator
 
@@ -145,7 +147,7 @@ def test_an_edit_of_a_quantized_weight_on_the_device_survives_an_eviction_withou
 
         def edit(p, step, timestep, kwargs):
             if step == 0:
-                storage = tensor_parts(layer.weight)[0]  # the bytes themselves: int8 rows, packed 4-bit, GGUF blocks
+                storage = tensor_parts(layer.weight)[part]
                 with torch.no_grad():
                     storage.add_(1)
                 edited.append(storage.detach().cpu().clone())
@@ -153,4 +155,140 @@ def test_an_edit_of_a_quantized_weight_on_the_device_survives_an_eviction_withou
 
         pipe(**tiny.call_kwargs(NAME, pipe=pipe), callback_on_step_end=edit)
         doe.release(pipe)
-        assert torch.equal(tensor_parts(layer.weight)[0].detach().cpu(), edited[0])
+        assert torch.equal(tensor_parts(layer.weight)[part].detach().cpu(), edited[0])
+
+
+@pytest.mark.usefixtures("installed")
+@pytest.mark.parametrize("backend", [backend_param(b) for b in quantized.BACKENDS if b != "int8"])
+def test_an_unchanged_quantized_component_is_evicted_without_a_copy(saved, backend):
+    # Layerwise casting is the documented exception: its hooks cast every weight to the compute dtype before each
+    # forward and back after it, into new tensors (the same bits, other data pointers), so its evictions copy.
+    from diffusers_offload_ext.storages import tensor_parts
+    from diffusers_offload_ext.testing.simulated_accelerator import SimulatedAccelerator
+
+    with SimulatedAccelerator() as sim:
+        pipe = quantized.load(backend, saved)
+        before = {n: [t.clone() for p in getattr(pipe, n).parameters() for t in tensor_parts(p)] for n in QUANTIZED}
+        pipe.enable_model_cpu_offload(device="cpu", zero_copy_eviction=True)
+        image = tiny.run(pipe, NAME)
+        copied_back = sim.d2h_bytes
+        expected = tiny.run(quantized.load(backend, saved).to(sim.device), NAME)
+        after = {n: [t for p in getattr(pipe, n).parameters() for t in tensor_parts(p)] for n in QUANTIZED}
+        assert not [t for parts in after.values() for t in parts if sim.is_on_device(t)]  # all home
+    offloads = [r for r in doe.transfer_ledger(pipe).records if r.direction == "offload" and r.component in QUANTIZED]
+    assert offloads and {r.kind for r in offloads} == {"copy" if backend == "layerwise" else "drop"}
+    if backend != "layerwise":
+        assert copied_back <= image.numel() * image.element_size()  # nothing but the image came back
+    assert torch.equal(image, expected)
+    assert all(torch.equal(a, b) for n in QUANTIZED for a, b in zip(after[n], before[n]))
+
+
+EIGHT_BIT = pytest.mark.skipif(not quantized.available("int8")[0], reason="needs bitsandbytes")
+
+
+def device_bytes_at_every_move(pipe, fixed_bytes):
+    """Bytes of weights on the device after each ledger record: the components that cannot move, whole components
+    onloaded and not yet offloaded, and the blocks in the ring or kept."""
+    held, totals = {}, []
+    for record in doe.transfer_ledger(pipe).records:
+        key = (record.component, record.block)
+        held[key] = record.nbytes if record.direction == "onload" else 0
+        totals.append(fixed_bytes + sum(held.values()))
+    return totals
+
+
+@EIGHT_BIT
+@pytest.mark.usefixtures("installed")
+def test_eight_bit_components_are_shown_cannot_move_and_an_option_naming_one_says_so_once(saved, caplog):
+    from diffusers_offload_ext.testing.simulated_accelerator import SimulatedAccelerator
+
+    with SimulatedAccelerator() as sim:
+        pipe = quantized.load("int8", saved, device=sim.device)
+        with caplog.at_level("WARNING", logger="diffusers_offload_ext"):
+            pipe.enable_model_cpu_offload(device="cpu", exclude_from_offload=["transformer"])
+            pipe.enable_model_cpu_offload(device="cpu", exclude_from_offload=["transformer"])  # already said
+        said = [r.getMessage() for r in caplog.records if "cannot move" in r.getMessage()]
+        status = doe.offload_status(pipe)
+        tiny.run(pipe, NAME)
+    assert len(said) == 1 and "['transformer']" in said[0] and "bitsandbytes 8-bit" in said[0]
+    for name in QUANTIZED:  # the README's `doe.offload_status(pipe).components["transformer"]`
+        component = status.components[name]
+        assert (component.role, component.where, component.resident) == ("cannot move", "device", True)
+        assert "bitsandbytes 8-bit" in component.why and component.nbytes == doe.module_nbytes(getattr(pipe, name))
+    assert status.resident_bytes == sum(doe.module_nbytes(getattr(pipe, n)) for n in QUANTIZED)
+    assert all(r.component not in QUANTIZED for r in doe.transfer_ledger(pipe).records)
+
+
+@EIGHT_BIT
+@pytest.mark.usefixtures("installed")
+def test_eight_bit_components_count_against_the_budget_at_every_move(saved):
+    from diffusers_offload_ext.testing.simulated_accelerator import SimulatedAccelerator
+
+    with SimulatedAccelerator() as sim:
+        pipe = quantized.load("int8", saved, device=sim.device)
+        fixed = sum(doe.module_nbytes(getattr(pipe, n)) for n in QUANTIZED)
+        others = [doe.module_nbytes(m) for n, m in pipe.components.items() if n in ("vae", "text_encoder")]
+        budget = fixed + max(others) + 1  # every movable component fits alone, not both beside the fixed ones
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, keep_on_device_between_generations=True)
+        for _ in range(2):
+            tiny.run(pipe, NAME)
+    assert max(device_bytes_at_every_move(pipe, fixed)) <= budget
+    assert [r for r in doe.transfer_ledger(pipe).records if r.call_index == 1]  # not everything could stay
+
+
+STREAMING = [backend_param(b) for b in quantized.BACKENDS if b != "int8"]
+
+
+def ledger_within(pipe, status, budget):
+    """At every move of the ledger: the streamed blocks in the ring fit its buffers, and the whole components, the
+    kept blocks and the ring (while streaming) fit the budget (as tests/test_block_streaming.py checks it)."""
+    whole, blocks, streaming = {}, {}, False
+    for record in doe.transfer_ledger(pipe).records:
+        table, key = (whole, record.component) if record.block is None else (blocks, record.block)
+        table[key] = record.nbytes if record.direction == "onload" else 0
+        kept = sum(v for k, v in blocks.items() if k in status.resident)
+        in_ring = sum(v for k, v in blocks.items() if k in status.streamed)
+        streaming = (streaming or record.block is not None) and any(blocks.values())
+        assert in_ring <= status.ring_bytes, record
+        assert sum(whole.values()) + kept + (status.ring_bytes if streaming else 0) <= budget, record
+
+
+@pytest.mark.usefixtures("installed")
+@pytest.mark.parametrize("backend", STREAMING)
+def test_a_quantized_transformer_streams_within_the_budget_at_every_move_its_state_in_the_ring(saved, backend):
+    # The ledger's bytes are the storages' (quantization state included); the device storages the components reach
+    # after each block ran (a ring buffer counts whole, a state copied outside it too) stay within the budget.
+    from diffusers_offload_ext.storages import tensor_parts
+    from diffusers_offload_ext.testing.simulated_accelerator import SimulatedAccelerator
+
+    with SimulatedAccelerator() as sim:
+        expected = tiny.run(quantized.load(backend, saved).to(sim.device), NAME)
+        pipe = quantized.load(backend, saved)
+        budget = int(doe.module_nbytes(pipe.transformer) * 0.8)
+        peaks, statuses = [], []
+
+        def measure(*_):
+            storages = {}
+            for module in [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]:
+                for tensor in [*module.parameters(), *module.buffers()]:
+                    for part in tensor_parts(tensor):
+                        if sim.is_on_device(part):
+                            storage = part.untyped_storage()
+                            storages[storage.data_ptr()] = storage.nbytes()
+            peaks.append(sum(storages.values()))
+
+        def callback(p, step, timestep, kwargs):
+            statuses.append(doe.offload_status(p).components["transformer"].blocks)
+            return kwargs
+
+        for block in [*pipe.transformer.transformer_blocks, *pipe.transformer.single_transformer_blocks]:
+            block.register_forward_hook(measure)
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget)
+        images = pipe(**tiny.call_kwargs(NAME, pipe=pipe), callback_on_step_end=callback).images
+        image = torch.as_tensor(images).detach().to(device="cpu", dtype=torch.float32)
+    blocks = block_sizes(pipe.transformer)
+    streamed = [r for r in doe.transfer_ledger(pipe).records if r.block is not None]
+    assert streamed and all(r.nbytes == blocks[r.block] for r in streamed)  # storage bytes, state included
+    assert torch.equal(image, expected)
+    ledger_within(pipe, statuses[0], budget)
+    assert peaks and max(peaks) <= budget

@@ -2,9 +2,6 @@
 accelerator, in `make test-quant`'s venv: the tiny FLUX pipeline reloaded quantized (`testing/quantized.py`), called
 twice; images equal to the same pipeline without offload, `offload_status` and every whole-component ledger record
 within 1 % of the true storage bytes, and no "does not fit" where everything fits.
-
-Cells that fail until the runtime phase of issue 20 are not here (no skip hides them): the report of the change that
-added this file lists them with their causes.
 """
 
 import logging
@@ -32,13 +29,11 @@ OPTIONS = {
     "budget-below": {"memory_budget": BELOW, "keep_on_device_between_generations": True},
     "budget-1.2x": {"memory_budget": TOTAL, "keep_on_device_between_generations": True},
 }
-#: The cells that pass today, per backend: every option, on both accelerators.
-#: bitsandbytes 8-bit is left out of offload (its components are missing from `offload_status`) until the runtime
-#: phase of issue 20 gives them a role; its cells are in the report of the change that added this file.
-PASSING = {backend: tuple(OPTIONS) for backend in ("nf4", "fp4", "gguf", "torchao", "quanto", "layerwise")}
-#: Backends whose transformer streams under a budget below it (GGUF, torchao, quanto refuse to stream for now: their
-#: tensor subclasses, one log line says so, and the transformer runs alone).
-STREAMING = {"nf4", "fp4", "layerwise"}
+#: Every option, on both accelerators, per backend. bitsandbytes 8-bit components cannot move: they stay where they
+#: were loaded, shown in `offload_status` with the role "cannot move" and counted against the budget.
+PASSING = {backend: tuple(OPTIONS) for backend in quantized.BACKENDS}
+#: Backends whose transformer streams under a budget below it: every one that can move (8-bit cannot).
+STREAMING = {"nf4", "fp4", "gguf", "torchao", "quanto", "layerwise"}
 
 
 def cells():

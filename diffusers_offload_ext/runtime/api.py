@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
+from ..layout import cannot_move
 from ..ledger import TransferLedger
 from ..marks import get_session
+from ..transfer import ON_DEVICE
 from .block_streams import BlockStatus
 from .session import session_of
 
@@ -84,11 +86,13 @@ class ComponentStatus(NamedTuple):
             `"meta"` or `"elsewhere"` (on the plain CPU, where host and device are the same memory, the record).
         role (`str`): `"excluded"` (`exclude_from_offload`), `"round trip"` (the class's `_exclude_from_cpu_offload`),
             `"kept"` (`keep_on_device_during_generation`), `"chain"` or `"outside chain"` (hooked, run outside the
-            `model_cpu_offload_seq` chain).
+            `model_cpu_offload_seq` chain), `"cannot move"` (bitsandbytes 8-bit: never moved, counted against the
+            budget where it was loaded; `why` says why).
         host_copy (`bool`): A host copy is held for an eviction without a copy.
         pinned_bytes (`int`): Bytes of its host memory page-locked (`pin_memory`).
         blocks (`BlockStatus` or `None`): While it streams (it is larger than the room the memory budget leaves it):
             which blocks are resident, which stream, the ring and the bytes streamed per forward; `None` otherwise.
+        why (`str`): For the role `"cannot move"`, why not; empty otherwise.
     """
 
     nbytes: int
@@ -98,6 +102,7 @@ class ComponentStatus(NamedTuple):
     host_copy: bool
     pinned_bytes: int = 0
     blocks: Optional[BlockStatus] = None
+    why: str = ""
 
 
 class OffloadStatus(NamedTuple):
@@ -107,7 +112,8 @@ class OffloadStatus(NamedTuple):
         enabled (`bool`): This extension's model offload is armed.
         device (`str` or `None`): The execution device.
         policy (`str` or `None`): `"chain"` (stock's moves with the two options) or `"residency"` (the manager).
-        components (`Dict[str, ComponentStatus]`): Every armed component, in the pipeline's order.
+        components (`Dict[str, ComponentStatus]`): Every armed component, and every one that cannot move, in the
+            pipeline's order.
         resident_bytes (`int`): Bytes of the components on the device (of a streaming component, its resident blocks
             and its ring).
         budget (`int` or `None`): The residency manager's budget in bytes (`None`: unlimited or not in force).
@@ -158,7 +164,12 @@ def offload_status(pipe) -> OffloadStatus:
     session = get_session(pipe)
     if session is None or session.transfer is None:
         return OffloadStatus(False, None, None, {}, 0, None, (), 0, False, [], {})
-    components = {name: _component(session, name) for name in session.modules}
+    fixed = session.placement.fixed
+    components = {
+        name: _fixed(session, name) if name in fixed else _component(session, name)
+        for name in pipe.components
+        if name in session.modules or name in fixed
+    }
     options = dataclasses.asdict(session.options)
     return OffloadStatus(
         enabled=session.active,
@@ -201,4 +212,19 @@ def _component(session, name: str) -> ComponentStatus:
         host_copy=entry.host_copy is not None,
         pinned_bytes=session.transfer.pinning.bytes_of(module) if session.transfer.pinning is not None else 0,
         blocks=session.streams.status(name),
+    )
+
+
+def _fixed(session, name: str) -> ComponentStatus:
+    """A component that cannot move: where it was loaded (where tensors cannot tell, on the plain CPU, it runs in the
+    one memory there is: on the device)."""
+    module = session.placement.fixed[name]
+    where = session.transfer.locate(module) if session.transfer.readable else ON_DEVICE
+    return ComponentStatus(
+        nbytes=session.placement.fixed_sizes()[name],
+        resident=where == ON_DEVICE,
+        where=where,
+        role="cannot move",
+        host_copy=False,
+        why=cannot_move(module),
     )

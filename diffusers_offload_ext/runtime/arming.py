@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import torch
 from diffusers.utils import logging
 
-from ..layout import Arrangement, PipelineLayout, modules_of
+from ..layout import Arrangement, PipelineLayout, cannot_move, fixed_of, modules_of
 from ..marks import STOCK
 from ..policies import ChainPolicy, Policy, PrefetchPolicy, ResidencyPolicy
 from ..transfer import BOOK, ON_DEVICE, make_transfer, memory
@@ -37,6 +37,8 @@ class Arming(NamedTuple):
         budget (`int` or `None`): The residency manager's budget; `auto_budget` (`bool`): whether it is the
             automatic one.
         user_excluded (`Tuple[str, ...]`): `_exclude_from_cpu_offload` as the user has it.
+        fixed (`Tuple[str, ...]`, defaults to `()`): The components that cannot move (`layout.fixed_of`): out of
+            the layout, never moved, counted against the budget where they were loaded.
     """
 
     options: OffloadOptions
@@ -47,6 +49,7 @@ class Arming(NamedTuple):
     budget: Optional[int]
     auto_budget: bool
     user_excluded: Tuple[str, ...]
+    fixed: Tuple[str, ...] = ()
 
 
 def validate(pipe, session: Optional[Session], gpu_id, device, **arguments) -> Arming:
@@ -65,7 +68,8 @@ def validate(pipe, session: Optional[Session], gpu_id, device, **arguments) -> A
     budget, auto = None, False
     if options.residency:
         budget, auto = _budget(pipe, options, layout, arrangement, exec_device)
-    return Arming(options, exec_device, index, layout, arrangement, budget, auto, user_excluded)
+    fixed = tuple(fixed_of(pipe.components))
+    return Arming(options, exec_device, index, layout, arrangement, budget, auto, user_excluded, fixed)
 
 
 def _user_exclusion(pipe) -> list:
@@ -76,10 +80,11 @@ def _budget(pipe, options, layout, arrangement, device) -> Tuple[Optional[int], 
     modules = modules_of(pipe.components)
     sizes = {n: _nbytes(modules[n]) for n in layout.order}
     stays = {n: sizes[n] for n in arrangement.excluded + arrangement.round_trip}
-    # What the pipeline holds on the device: free memory does not count it.
+    fixed = {n: _nbytes(m) for n, m in fixed_of(pipe.components).items()}
+    # What the pipeline holds on the device: free memory does not count it (nor what cannot move, held there).
     transfer = make_transfer(device)
-    held = sum(sizes[n] for n in layout.order if transfer.locate(modules[n]) == ON_DEVICE)
-    return resolve_budget(options, device, stays, held)
+    held = sum(sizes[n] for n in layout.order if transfer.locate(modules[n]) == ON_DEVICE) + sum(fixed.values())
+    return resolve_budget(options, device, stays, held, fixed)
 
 
 def _nbytes(module: torch.nn.Module) -> int:
@@ -93,6 +98,7 @@ def arm(pipe, arming: Arming) -> Session:
     """Arm `pipe` with `arming`: the session adopts it, the policy is made, the hooks attached. The moves come after,
     from the caller: `Session.rearm()` for an enable, `Session.end_of_call()` at a call's end."""
     session = session_of(pipe)
+    _tell_fixed(pipe, arming, session)
     if arming.options.keeps_nothing and not session.options.keeps_nothing:
         logger.warning(
             "`keep_on_device_during_generation` has no effect with the residency manager on (`memory_budget` or "
@@ -102,13 +108,28 @@ def arm(pipe, arming: Arming) -> Session:
     quiet_sub_pipelines(pipe)
     STOCK["remove_all_hooks"](pipe)
     session.exclusion.restore(pipe)
-    modules = modules_of(pipe.components)
-    session.adopt(arming, {name: modules[name] for name in arming.layout.order})
+    modules = modules_of(pipe.components, movable=False)
+    session.adopt(arming, {name: modules[name] for name in arming.layout.order}, {n: modules[n] for n in arming.fixed})
     session.decide_with(*policy_for(session, arming))
     pipe._offload_gpu_id, pipe._offload_device = arming.index, arming.device
     session.exclusion.apply(pipe, arming.user_excluded, arming.arrangement.excluded)
     session.armed(attach(pipe, session))
     return session
+
+
+def _tell_fixed(pipe, arming: Arming, session: Session) -> None:
+    """One log line when an option newly names a component that cannot move: it changes nothing for it."""
+    options, before = arming.options, session.options
+    named = [n for n in arming.fixed if n in options.exclude_from_offload and n not in before.exclude_from_offload]
+    named += [n for n in arming.fixed if n in options.keep and n not in before.keep and n not in named]
+    if named:
+        one = len(named) == 1
+        logger.warning(
+            f"{named!r} cannot move ({cannot_move(pipe.components[named[0]])}): `exclude_from_offload` and "
+            f"`keep_on_device_during_generation` change nothing for {'it' if one else 'them'}; "
+            f"{'it stays where it was' if one else 'they stay where they were'} loaded, out of offload, counted "
+            f'against `memory_budget` (role "cannot move" in `doe.offload_status(pipe)`).'
+        )
 
 
 def policy_for(session: Session, arming: Arming) -> Tuple[Policy, Optional[Any]]:
@@ -127,7 +148,7 @@ def policy_for(session: Session, arming: Arming) -> Tuple[Policy, Optional[Any]]
         sizes=dict(Sizes(session.placement, session.transfer)),
         excluded=arrangement.excluded,
         round_trip=arrangement.round_trip,
-        budget=arming.budget,
+        budget=None if arming.budget is None else max(arming.budget - session.placement.fixed_bytes(), 0),
         keep_between=options.keep_between,
         calls=session.calls,
         cache=session.forecasts,
@@ -155,6 +176,8 @@ def unchanged(pipe, session: Session, gpu_id: Any, device: Any) -> bool:
     layout = layout_of(pipe, class_excluded=session.exclusion.user(pipe))
     if layout != session.layout or any(pipe.components.get(n) is not m for n, m in session.modules.items()):
         return False
+    if list(fixed_of(pipe.components).items()) != list(session.placement.fixed.items()):
+        return False
     return all(ours(session.modules[name]) is not None for name in session.arrangement.hooked)
 
 
@@ -173,11 +196,11 @@ def refresh_budget(session: Session) -> None:
     arming = session.arming
     if arming is None or not arming.auto_budget:
         return
-    sizes = session.facts.sizes
+    sizes, fixed = session.facts.sizes, session.placement.fixed_sizes()
     stays = {n: sizes[n] for n in arming.arrangement.excluded + arming.arrangement.round_trip}
-    held = sum(sizes[n] for n in session.resident)
+    held = sum(sizes[n] for n in session.resident) + sum(fixed.values())
     try:
-        budget, _ = resolve_budget(arming.options, arming.device, stays, held)
+        budget, _ = resolve_budget(arming.options, arming.device, stays, held, fixed)
     except ValueError:
         return
     if budget != arming.budget:

@@ -11,7 +11,9 @@ from diffusers.utils import logging
 
 from ..blocks import REST, find_blocks
 from ..policies import DEPTH, blocks_ahead, Item, BlockChoice, least_room, choose_blocks
-from ..transfer.ring import aligned_nbytes, streamable
+from ..transfer.streamed_block import ring_hosts
+from ..transfer.parts import streamable
+from ..transfer.ring import aligned_nbytes
 from ..transfer.streaming import BlockStreamer
 from ..units import format_size
 
@@ -51,8 +53,12 @@ def _items(module, uses: Optional[Dict[str, int]] = None) -> Tuple[Optional[list
         if block.name != REST and odd:
             return None, blocks, f"block `{block.name}` holds a tensor that cannot stream ({type(odd[0]).__name__})"
     known = bool(uses)  # from the last stream: a block that did not run then weighs nothing
-    items = [
-        Item(b.name, b.nbytes if b.name == REST else aligned_nbytes(_tensors(b)), uses.get(b.name, 0) if known else 1)
+    items = [  # a streamed block's ring buffer holds its quantization state too
+        Item(
+            b.name,
+            b.nbytes if b.name == REST else aligned_nbytes(ring_hosts(b.slots)),
+            uses.get(b.name, 0) if known else 1,
+        )
         for b in blocks
     ]
     return items, blocks, ""

@@ -26,6 +26,7 @@ def resolve_budget(
     device: torch.device,
     stays: Mapping[str, int],
     held_bytes: int,
+    fixed: Optional[Mapping[str, int]] = None,
 ) -> Tuple[Optional[int], bool]:
     """The memory budget in force for the residency manager, checked against what must stay on the device.
 
@@ -34,7 +35,11 @@ def resolve_budget(
         device (`torch.device`): The execution device.
         stays (`Mapping[str, int]`): Bytes of each component that never leaves the device (excluded ones, and the
             class's round trips).
-        held_bytes (`int`): Bytes of the pipeline's weights already on `device` (free memory does not count them).
+        held_bytes (`int`): Bytes of the pipeline's weights already on `device` (free memory does not count them),
+            those that cannot move included.
+        fixed (`Mapping[str, int]`, *optional*): Bytes of each component that cannot move (bitsandbytes 8-bit): it
+            counts against the budget where it was loaded. Beyond an explicit budget, a warning (not an error: no
+            option of the user's put it there).
 
     Returns:
         `(Optional[int], bool)`: the budget in bytes (`None`: unlimited) and whether it is the automatic one.
@@ -52,6 +57,7 @@ def resolve_budget(
             f"`{BUDGET}`."
         )
     stays_bytes = sum(stays.values())
+    fixed = dict(fixed or {})
     if options.memory_budget is not None:
         budget = options.memory_budget
         if stays_bytes > budget:
@@ -60,7 +66,16 @@ def resolve_budget(
                 f"{format_size(stays_bytes)}) alone exceed `{BUDGET}`={budget!r} ({format_size(budget)}). Pass a "
                 f"`{BUDGET}` of at least {stays_bytes} bytes, or leave some of them out of `{EXCLUDE}`."
             )
+        if fixed and stays_bytes + sum(fixed.values()) > budget:
+            logger.warning(
+                f"The components that cannot move ({sorted(fixed)!r}, bitsandbytes 8-bit, "
+                f"{format_size(sum(fixed.values()))}) stay where they were loaded and leave "
+                f"{format_size(max(budget - stays_bytes - sum(fixed.values()), 0))} of `{BUDGET}`="
+                f"{format_size(budget)} to the others: each of them streams or runs alone. Raise `{BUDGET}`."
+            )
         return budget, False
+    stays = {**stays, **fixed}
+    stays_bytes = sum(stays.values())
     free = memory.free_bytes(device)
     if free is None:
         return None, True

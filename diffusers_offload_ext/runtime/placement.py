@@ -53,6 +53,8 @@ class Placement:
         streams (`BlockStreams`): The components that stream their blocks (larger than the room left them).
         stream_rooms (`Dict[str, int]`): The fewest device bytes each component can stream in (a fact for the policy,
             measured when armed and again when the component's size changes; absent: it cannot stream).
+        fixed (`Dict[str, torch.nn.Module]`): The components that cannot move (`layout.fixed_of`): never moved, held
+            for `offload_status` and the budget.
     """
 
     def __init__(self, record: Callable, calls) -> None:
@@ -64,10 +66,14 @@ class Placement:
         self.stream_rooms: Dict[str, int] = {}
         self._rooms_at: Dict[str, int] = {}  # each component's bytes when its stream room was measured
         self._names: Dict[int, str] = {}
+        self.fixed: Dict[str, torch.nn.Module] = {}
+        self._book = None
 
-    def take(self, modules: Dict[str, torch.nn.Module], transfer: Transfer, holder) -> List[str]:
-        """Hold `modules` (the components as they are now, for session `holder`) and read where each one is; returns
-        those found on another accelerator (the device changed), counted resident until they are sent home."""
+    def take(self, modules: Dict[str, torch.nn.Module], transfer: Transfer, holder, fixed=None) -> List[str]:
+        """Hold `modules` (the components as they are now, for session `holder`) and `fixed` (those that cannot
+        move) and read where each one is; returns those found on another accelerator (the device changed), counted
+        resident until they are sent home."""
+        self.fixed, self._book = dict(fixed or {}), transfer.book
         for name, module in self.modules.items():
             if modules.get(name) is not module:
                 sharing.leave(holder, module)
@@ -88,6 +94,19 @@ class Placement:
             elif where == MIXED:
                 transfer.forget_host_copy(module)
         return elsewhere
+
+    def fixed_sizes(self) -> Dict[str, int]:
+        """Bytes of each component that cannot move (counted against the budget where it was loaded)."""
+        sizes = {}
+        for name, module in self.fixed.items():
+            entry = self._book.entry(module)
+            if entry.dirty:
+                self._book.refresh(module, entry)
+            sizes[name] = entry.nbytes
+        return sizes
+
+    def fixed_bytes(self) -> int:
+        return sum(self.fixed_sizes().values())
 
     def keep_host_copies(self, transfer: Transfer, drops: bool, excluded) -> None:
         """Host copies stay only for resident components that may be evicted without a copy."""

@@ -69,16 +69,17 @@ class Session:
         return self.placement.name_of(module)
 
     # -- arming -------------------------------------------------------------------------------------------------------
-    def adopt(self, arming, modules: Dict[str, torch.nn.Module]) -> None:
-        """Take `arming` (`arming.py`) over `modules`, the components as they are now: the transfer, where each one is,
-        the stream rooms. Then come the policy (`decide_with`), the hooks (`armed`), the moves (`rearm`...)."""
+    def adopt(self, arming, modules: Dict[str, torch.nn.Module], fixed: Optional[Dict] = None) -> None:
+        """Take `arming` (`arming.py`) over `modules`, the components as they are now (and `fixed`, those that cannot
+        move): the transfer, where each one is, the stream rooms. Then come the policy (`decide_with`), the hooks
+        (`armed`), the moves (`rearm`...)."""
         self.stop_moving()
         self.transfer = _transfer_for(self, arming)
         stays = set(arming.arrangement.excluded) | set(arming.arrangement.round_trip)
         going = [m for n, m in self.modules.items() if modules.get(n) is not m or n in stays]
         unpin(self.device, going if self.transfer.pinning is not None else self.modules.values())  # the old device's
         self.arming = arming
-        for name in self.placement.take(modules, self.transfer, holder=self):
+        for name in self.placement.take(modules, self.transfer, holder=self, fixed=fixed):
             self.move(name, OFFLOAD)  # on another accelerator (the device changed): home first
         self.placement.keep_host_copies(self.transfer, arming.options.drops, arming.arrangement.excluded)
         self.placement.measure_streams(list(arming.arrangement.hooked) if arming.options.residency else [])

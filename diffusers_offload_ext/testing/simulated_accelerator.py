@@ -88,6 +88,9 @@ class SimulatedAccelerator(TorchFunctionMode):
         super().__enter__()
         # nn.Parameter(data) calls Tensor._make_subclass, not a torch function: shadow TensorBase's meanwhile.
         torch.Tensor._make_subclass = staticmethod(self._make_subclass)
+        # A wrapper subclass made around device tensors (`__tensor_unflatten__`) asks for `device=cpu:0`: made on the
+        # host like every simulated device tensor (one real device for it and its inner tensors), and tagged.
+        torch.Tensor._make_wrapper_subclass = staticmethod(self._make_wrapper_subclass)
         # Module._apply swaps a wrapper subclass parameter in place (torch.utils.swap_tensors), which refuses tensors
         # that have weak references: our tags are weak references, so they are lifted for the swap and exchanged.
         torch.utils.swap_tensors = self._swap_tensors
@@ -96,6 +99,7 @@ class SimulatedAccelerator(TorchFunctionMode):
     def __exit__(self, *exc_info: Any) -> None:
         try:
             del torch.Tensor._make_subclass
+            del torch.Tensor._make_wrapper_subclass
             torch.utils.swap_tensors = _SWAP_TENSORS
         finally:
             super().__exit__(*exc_info)
@@ -111,6 +115,16 @@ class SimulatedAccelerator(TorchFunctionMode):
     def _make_subclass(self, cls: type, data: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         result = torch._C.TensorBase._make_subclass(cls, data, *args, **kwargs)
         self._set_tag(result, self.is_on_device(data))
+        return result
+
+    def _make_wrapper_subclass(self, cls: type, *args: Any, **kwargs: Any) -> torch.Tensor:
+        device = kwargs.get("device")
+        on_device = device is not None and _is_device(device)
+        if on_device:
+            kwargs = {**kwargs, "device": HOST}
+        result = torch._C.TensorBase._make_wrapper_subclass(cls, *args, **kwargs)
+        if on_device:
+            self._tag(result, inner=False)  # its inner tensors are set after this, by the subclass
         return result
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -163,11 +177,12 @@ class SimulatedAccelerator(TorchFunctionMode):
         for arg in inputs:
             if isinstance(arg, _Tensor):
                 ref = tags.get(id(arg))
+                wrapper = type(arg) not in _PLAIN and _is_wrapper(arg)
                 if ref is not None and ref() is arg:
                     on_device = True
-                elif host is None and arg.dim():
+                elif host is None and arg.dim() and not wrapper:  # a wrapper is where its inner tensors are
                     host = arg
-                if type(arg) not in _PLAIN and _is_wrapper(arg):  # its inner tensors are inputs too
+                if wrapper:  # its inner tensors are inputs too
                     inside_on_device, inside_host = self._scan(tuple(_inner(arg)))
                     on_device = on_device or inside_on_device
                     host = host if host is not None else inside_host
@@ -178,6 +193,8 @@ class SimulatedAccelerator(TorchFunctionMode):
     def _placed(self, func, args: tuple, kwargs: dict):
         """A call with ``device=`` (factories, ``*_like``, ``as_tensor``): the keyword decides; no mixing check."""
         want = _is_device(kwargs["device"])
+        if want:  # made on the host, as moves are (`_to`): one real device, whatever a subclass does with storages
+            kwargs = {**kwargs, "device": HOST}
         result = func(*args, **kwargs)
         if isinstance(result, _Tensor):
             if any(self.is_on_device(t) != want and _aliases(result, t) for t in _tensors((*args, *kwargs.values()))):

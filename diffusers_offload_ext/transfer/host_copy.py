@@ -17,21 +17,30 @@ be lost, so `unchanged` checks, in order of cost:
    can be seen from the parameter, so a fingerprint of every device tensor (`fingerprint.py`) is taken right after
    the onload and again before the eviction.
 
-When any check fails, or a tensor cannot be fingerprinted (a tensor subclass, a quantized or sparse tensor), the
-eviction copies the device tensors back, as stock does. So it does when some tensor was not on the host when the
-copy was made (a part of the component the user had moved to the device): the copy holds host tensors only, read
-from the tensors themselves, so that such a part goes home at the eviction, as stock's `.to("cpu")` sends it.
+Every check reads the plain tensors behind each parameter and buffer (`parts.py`): a wrapper subclass's inner
+tensors (torchao, optimum-quanto), a `Parameter` subclass's storage (bitsandbytes' 4-bit, GGUF) and the quantization
+state it carries (`quant_state`'s `absmax`, `code`, ...), so a quantized component unchanged on the device is dropped
+like any other, and an edit of any of those tensors is copied back. `restore` puts them all back (a wrapper parameter
+swapped in place, as `Module.to()` moves it).
+
+When any check fails, or a tensor cannot be fingerprinted (a sparse tensor, a format whose bytes `__tensor_flatten__`
+does not name), the eviction copies the device tensors back, as stock does. So it does when some tensor was not on
+the host when the copy was made (a part of the component the user had moved to the device): the copy holds host
+tensors only, read from the tensors themselves, so that such a part goes home at the eviction, as stock's
+`.to("cpu")` sends it.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from ..storages import is_wrapper, tensor_state
 from .inference import version_of
 from .fingerprint import fingerprints, same
+from .parts import Spec, flatten, leaves_of, swap_in_place, unflatten
 
 Slot = Tuple[torch.nn.Module, bool, str, torch.Tensor]
 
@@ -54,6 +63,34 @@ def slots(module: torch.nn.Module, only: Optional[Sequence[tuple]] = None) -> It
                 yield sub, False, key, buffer
 
 
+class Held(NamedTuple):
+    """One slot's host side: where it is (`sub` held weakly), the object that goes back there (`original`: the
+    parameter, or the host buffer), how it is rebuilt (`spec`), its host `leaves` and quantization `states`
+    (`(owner, attribute, host tensor)`)."""
+
+    sub: weakref.ref
+    is_param: bool
+    key: str
+    original: torch.Tensor
+    spec: Optional[Spec]
+    leaves: List[torch.Tensor]
+    states: list
+
+    @property
+    def hosts(self) -> List[torch.Tensor]:
+        return self.leaves + [host for _, _, host in self.states]
+
+
+def _token(tensor: torch.Tensor):
+    """What identifies `tensor` later: a weak reference, or for a wrapper its `id` (a weak reference would stop
+    `swap_tensors`, which moves it; its inner tensors are checked by data pointer, version and content)."""
+    return id(tensor) if is_wrapper(tensor) else weakref.ref(tensor)
+
+
+def _is(token, tensor: torch.Tensor) -> bool:
+    return token == id(tensor) if isinstance(token, int) else token() is tensor
+
+
 class HostCopy:
     """The host tensors of one component while it is on the execution device.
 
@@ -64,39 +101,51 @@ class HostCopy:
 
     def __init__(self, module: torch.nn.Module, check: bool = True, only: Optional[Sequence[tuple]] = None) -> None:
         self.only = None if only is None else tuple(only)
-        # `param.data` is a second reference to the host storage: it outlives the onload, which either sets the
-        # parameter's `.data` or puts a new `Parameter` in its place; the original object is kept too, so that it can
-        # come back. Sub-modules are held weakly: the copy never keeps a component alive.
-        self.host: List[tuple] = [
-            (weakref.ref(sub), is_param, key, t, t.data if is_param else t)
-            for sub, is_param, key, t in slots(module, self.only)
-        ]
+        # A parameter's `.data` (or a wrapper's inner tensors) is a second reference to the host storage: it outlives
+        # the onload, which either sets the parameter's `.data`, swaps its contents, or puts a new `Parameter` in its
+        # place; the original object is kept too, so that it can come back. Sub-modules are held weakly: the copy
+        # never keeps a component alive.
+        self.host: List[Held] = []
+        for sub, is_param, key, t in slots(module, self.only):
+            spec, leaves = flatten(t, detached=is_param)
+            self.host.append(Held(weakref.ref(sub), is_param, key, t, spec, leaves, tensor_state(t)))
         #: Every tensor was on the host (or `meta`): else only a copy sends the rest home, and nothing is dropped.
-        self.complete = all(at_home(host) for _, _, _, _, host in self.host)
+        self.complete = all(at_home(host) for held in self.host for host in held.hosts)
         self.signature: Optional[list] = None
         self.content: Optional[list] = None
         self.check = check  # False: every eviction writes back (`zero_copy_eviction=False` with page-locked copies)
+
+    def _live(self, module: torch.nn.Module) -> Optional[List[Tuple[Slot, List[torch.Tensor]]]]:
+        """Each slot now with the plain tensors behind it; `None` where the slots are not those the copy holds."""
+        found = list(slots(module, self.only))
+        if len(found) != len(self.host):
+            return None
+        live = []
+        for (sub, is_param, key, t), held in zip(found, self.host):
+            if sub is not held.sub() or is_param != held.is_param or key != held.key:
+                return None
+            live.append(((sub, is_param, key, t), leaves_of(t, held.states)))
+        return live
 
     def seal(self, module: torch.nn.Module) -> None:
         """Record what the component looks like on the device, right after the onload."""
         if not self.check or not self.complete:
             return
-        found = list(slots(module, self.only))
-        self.content = self._content(found)
+        live = self._live(module)
+        self.content = None if live is None else self._content(live)
         if self.content is None:
             return  # something it cannot read: the eviction will copy
-        self.signature = [
-            (weakref.ref(sub), is_param, key, weakref.ref(t)) + _layout(t) for sub, is_param, key, t in found
-        ]
+        self.signature = [(_token(t), [_layout(x) for x in leaves]) for (_, _, _, t), leaves in live]
 
     @staticmethod
-    def _content(found: List[Slot]) -> Optional[list]:
-        """Fingerprints of the tensors, a vector per device (`meta` tensors hold no data that could change), in a
-        fixed order; `None` when some tensor cannot be read."""
+    def _content(live) -> Optional[list]:
+        """Fingerprints of the plain tensors, a vector per device (`meta` tensors hold no data that could change), in
+        a fixed order; `None` when some tensor cannot be read."""
         groups: dict = {}
-        for _, _, _, t in found:
-            if t.device.type != "meta":
-                groups.setdefault(t.device, []).append(t)
+        for _, leaves in live:
+            for t in leaves:
+                if t.device.type != "meta":
+                    groups.setdefault(t.device, []).append(t)
         content = [(device, fingerprints(tensors)) for device, tensors in groups.items()]
         return None if any(vector is None for _, vector in content) else content
 
@@ -104,17 +153,15 @@ class HostCopy:
         """Whether the device tensors are still exactly the ones `seal` saw, unmodified."""
         if self.signature is None or self.content is None:
             return False
-        found = list(slots(module, self.only))
-        if len(found) != len(self.signature):
+        live = self._live(module)
+        if live is None:
             return False
-        for (sub, is_param, key, t), (sub0, is_param0, key0, ref0, *layout0) in zip(found, self.signature):
-            if sub is not sub0() or is_param != is_param0 or key != key0:
+        for ((_, is_param, _, t), leaves), (token, marks) in zip(live, self.signature):
+            if not _is(token, t) or len(leaves) != len(marks) or (is_param and t.grad is not None):
                 return False
-            if t is not ref0() or _layout(t) != tuple(layout0):
+            if any(_layout(x) != mark for x, mark in zip(leaves, marks)):
                 return False
-            if is_param and t.grad is not None:
-                return False
-        content = self._content(found)
+        content = self._content(live)
         if content is None or [d for d, _ in content] != [d for d, _ in self.content]:
             return False
         return all(bool(same(now, sealed)) for (_, now), (_, sealed) in zip(content, self.content))  # read once
@@ -124,16 +171,18 @@ class HostCopy:
         keeps the host memory, page-locked as it is). False, with nothing changed, where the structure, a shape or a
         dtype changed on the device, a host tensor is an inference tensor, or some tensor was not on the host when
         the copy was made: then a fresh host copy holds them."""
-        found = list(slots(module, self.only))
-        if len(found) != len(self.host) or not self.complete:
+        live = self._live(module)
+        if live is None or not self.complete:
             return False
         pairs = []
-        for (sub, is_param, key, t), (sub_ref, is_param0, key0, _, host) in zip(found, self.host):
-            if sub is not sub_ref() or is_param != is_param0 or key != key0:
+        for (_, leaves), held in zip(live, self.host):
+            hosts = held.hosts
+            if len(leaves) != len(hosts):
                 return False
-            if t.shape != host.shape or t.dtype != host.dtype or t.layout != host.layout or host.is_inference():
-                return False  # an inference tensor cannot be written in place outside inference mode
-            pairs.append((t, host))
+            for t, host in zip(leaves, hosts):
+                if t.shape != host.shape or t.dtype != host.dtype or t.layout != host.layout or host.is_inference():
+                    return False  # an inference tensor cannot be written in place outside inference mode
+                pairs.append((t, host))
         with torch.no_grad():
             for t, host in pairs:
                 if t.data_ptr() != host.data_ptr():
@@ -143,15 +192,10 @@ class HostCopy:
 
     def restore(self, module: torch.nn.Module) -> None:
         """Put the host tensors back in place of the device ones: the eviction without a copy."""
-        for sub_ref, is_param, key, original, host in self.host:
-            sub = sub_ref()
-            if sub is None:
-                continue
-            if is_param:
-                original.data = host
-                sub._parameters[key] = original
-            else:
-                sub._buffers[key] = host
+        for held in self.host:
+            sub = held.sub()
+            if sub is not None:
+                _put_back(sub, held)
         self.host = []
         self.signature = None
         self.content = None
@@ -160,8 +204,9 @@ class HostCopy:
     def nbytes(self) -> int:
         """Bytes of host memory this copy holds."""
         seen = {}
-        for _, _, _, _, host in self.host:
-            seen[id(host)] = host.numel() * host.element_size()
+        for held in self.host:
+            for host in held.hosts:
+                seen[id(host)] = host.numel() * host.element_size()
         return sum(seen.values())
 
 
@@ -175,3 +220,18 @@ def _layout(tensor: torch.Tensor) -> tuple:
     """What an eviction without a copy must find unchanged besides the tensor's identity: its data pointer, version
     counter, shape, dtype and stride."""
     return tensor.data_ptr(), version_of(tensor), tuple(tensor.shape), tensor.dtype, tensor.stride()
+
+
+def _put_back(sub: torch.nn.Module, held: Held) -> None:
+    """Slot `held` of `sub` holds its host tensors again, its quantization state too."""
+    original = held.original
+    if not held.is_param:
+        sub._buffers[held.key] = original
+    elif held.spec is not None:
+        swap_in_place(original, unflatten(held.spec, held.leaves)[0])
+        sub._parameters[held.key] = original
+    else:
+        original.data = held.leaves[0]
+        sub._parameters[held.key] = original
+    for owner, name, host in held.states:
+        setattr(owner, name, host)

@@ -11,7 +11,7 @@ from ..constants import COPY, DROP, OFFLOAD, ONLOAD
 from .base import HOST
 from .streamed_block import move_slots
 from .host_copy import HostCopy
-from .quant_state import carry, restore_state
+from .quant_state import carry, home
 
 
 class KeptBlocks:
@@ -30,7 +30,7 @@ class KeptBlocks:
         self.component, self.blocks, self.device, self.copier, self.emit = component, blocks, device, copier, emit
         self.check = check
         self.copies: Dict[str, HostCopy] = {}
-        self.states: Dict[str, list] = {}  # the kept blocks' quantization state (host tensors)
+        self.states: Dict[str, list] = {}  # the kept blocks' quantization state (its host copy puts it back)
 
     def load(self) -> None:
         """Every kept block to the device, its host copy kept and sealed."""
@@ -45,14 +45,14 @@ class KeptBlocks:
     def evict(self) -> None:
         """Every kept block back to the host: dropped when unchanged, else copied back."""
         for block in self.blocks:
-            copy = self.copies.pop(block.name)
-            restore_state(self.states.pop(block.name, ()))
+            copy, states = self.copies.pop(block.name), self.states.pop(block.name, ())
             if copy.check and copy.unchanged(self.component):
-                copy.restore(self.component)
+                copy.restore(self.component)  # its quantization state's host tensors too
                 self.emit(block.name, OFFLOAD, block.nbytes, DROP)
                 continue
             if not copy.write_back(self.component):
                 move_slots(block.slots, HOST)  # a new shape or dtype: only a fresh host copy can hold it
+                home(states)
             self.emit(block.name, OFFLOAD, block.nbytes, COPY)
 
     def forget(self) -> None:

@@ -1,7 +1,7 @@
 """Quantization state that travels with a block: the tensors a parameter carries as attributes (bitsandbytes'
 `Params4bit.quant_state`: `absmax`, `code`, a nested `state2`), which a move of the parameter's data alone leaves
-behind. The block streamer puts device copies in place with the block's tensors (outside the ring, whose buffers hold
-the parameters and buffers alone) and the host tensors back when the block leaves."""
+behind. A streamed block's state passes through its ring buffer with its weights (`streamed_block.py`); a kept block's
+goes to the device with it (`carry`), and its host copy puts the host tensors back (`host_copy.py`)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,12 @@ def place_state(states, device: torch.device) -> None:
             setattr(owner, name, host.to(device))
 
 
-def restore_state(states) -> None:
-    """The host tensors of `states` put back."""
-    for owner, name, host in states:
-        setattr(owner, name, host)
+def home(states) -> None:
+    """The tensors now in place of `states` copied to the host and put there (an eviction that could not write into
+    the host tensors)."""
+    with torch.no_grad():
+        for owner, name, _ in states:
+            setattr(owner, name, getattr(owner, name).to("cpu", copy=True))
 
 
 def carry(slots, device: torch.device) -> list:

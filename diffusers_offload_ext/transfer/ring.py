@@ -13,15 +13,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .parts import flatten
+
 #: Every tensor of a block starts at a multiple of this many bytes in its buffer.
 ALIGN = 256
-
-
-def streamable(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` can live in a ring buffer: a plain dense tensor on the host (subclasses such as quantized or
-    GGUF weights, sparse tensors and `meta` tensors stream only as whole components)."""
-    data = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
-    return type(data) is torch.Tensor and tensor.layout == torch.strided and tensor.device.type == "cpu"
 
 
 def layout(tensors: Sequence[torch.Tensor]) -> Tuple[List[int], int]:
@@ -105,7 +100,8 @@ class Copier:
     def onload_kept(self, slots: Sequence[tuple], device: torch.device, move) -> None:
         """A kept block's `slots` to `device` by `move(slots, device, non_blocking)`: queued where their host memory is
         page-locked (no host wait per tensor; it stays registered until the copies are done), else blocking."""
-        hosts = [(sub._parameters if is_param else sub._buffers)[key] for sub, is_param, key in slots]
+        tables = [((sub._parameters if is_param else sub._buffers), key) for sub, is_param, key in slots]
+        hosts = [leaf for table, key in tables for leaf in flatten(table[key], detached=True)[1]]
         queued = self.queues(hosts)
         move(slots, device, non_blocking=queued)
         if queued:

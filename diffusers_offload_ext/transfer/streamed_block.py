@@ -1,7 +1,9 @@
-"""`StreamedBlock`: one block of a streaming component that passes through the ring: its parameter and buffer slots,
-their host tensors (read again from the slots before each copy), its place in the ring, and the swaps that point its
-tensors at a ring buffer and back (bitsandbytes' quantization state with them: `quant_state.py`), writing a change
-made there into the host tensors (`streaming.py` runs them)."""
+"""`StreamedBlock`: one streamed block's weights, read again from its slots before each copy, swapped between its host
+tensors and its ring buffer, and the check at release of whether its forward changed them. Every plain tensor behind
+the block passes through the ring (`parts.py`): plain weights, the storage of a `Parameter` subclass (bitsandbytes'
+4-bit, GGUF), the inner tensors of a wrapper subclass (torchao, optimum-quanto; rebuilt around their ring views for
+the forward) and the quantization state the block's weights carry (`quant_state`), so the ring's buffers hold all of
+its bytes."""
 
 from __future__ import annotations
 
@@ -12,7 +14,17 @@ import torch
 from .base import HOST
 from .host_copy import at_home
 from .inference import version_of
-from .quant_state import place_state, restore_state, state_of
+from .parts import as_parameter, flatten, leaves_of, move_tensor, unflatten
+from .quant_state import state_of
+
+
+def ring_hosts(slots) -> List[torch.Tensor]:
+    """The host tensors of a block's `slots` as they lie in a ring buffer: the plain tensors behind each, then the
+    quantization state they carry."""
+    hosts = []
+    for sub, is_param, key in slots:
+        hosts += flatten((sub._parameters if is_param else sub._buffers)[key], detached=True)[1]
+    return hosts + [host for _, _, host in state_of(slots)]
 
 
 class StreamedBlock:
@@ -20,79 +32,141 @@ class StreamedBlock:
 
     def __init__(self, block) -> None:
         self.name, self.module, self.slots, self.nbytes = block.name, block.module, block.slots, block.nbytes
-        tables = [(sub._parameters if is_param else sub._buffers, key) for sub, is_param, key in self.slots]
-        self.tables = tables
-        self.originals = [table[key] for table, key in tables]
-        self.hosts = [_data(t) for t in self.originals]
+        self.tables = [(sub._parameters if is_param else sub._buffers, key) for sub, is_param, key in self.slots]
+        self.originals = [table[key] for table, key in self.tables]
         self.states = state_of(self.slots)
+        self.specs, self.leaves = [], []
+        for original in self.originals:
+            spec, leaves = flatten(original, detached=True)
+            self.specs.append(spec)
+            self.leaves.append(leaves)
         self.views: List[torch.Tensor] = []
-        self.marks: List[int] = []
+        self.installed: List[torch.Tensor] = []
+        self.marks: List[Optional[int]] = []
         self.slot: Optional[int] = None
         self.running = False
 
+    @property
+    def hosts(self) -> List[torch.Tensor]:
+        """The host tensors, in the order of the ring's views."""
+        return [leaf for leaves in self.leaves for leaf in leaves] + [host for _, _, host in self.states]
+
+    def _split(self, tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
+        """`tensors` (one per host tensor) cut per slot, then the quantization state's."""
+        cut, start = [], 0
+        for leaves in self.leaves:
+            cut.append(tensors[start : start + len(leaves)])
+            start += len(leaves)
+        return cut + [tensors[start:]]
+
     def refresh(self) -> int:
-        """Read the block's slots again before it is copied: a `Parameter`, a buffer or a parameter's data replaced
-        since it was last put back (`p.data = new`, a new `Parameter`, in a step callback) is what streams from now on
-        and what is put back; a tensor found on the device is moved home first (its host tensor is the one copied).
-        Returns the bytes moved home."""
-        homed = 0
-        for i, (table, key) in enumerate(self.tables):
-            now, host = table.get(key), self.hosts[i]
-            if now is None or (now is self.originals[i] and _layout(now) == _layout(host) and at_home(host)):
-                continue
-            data = _data(now)
-            if not at_home(data):
-                with torch.no_grad():
-                    data = data.to(HOST)
-                homed += data.numel() * data.element_size()
-            if isinstance(now, torch.nn.Parameter):
-                now.data = data
-            else:
-                table[key] = now = data
-            self.originals[i], self.hosts[i] = now, data
-            self.nbytes = sum(t.numel() * t.element_size() for t in {id(h): h for h in self.hosts}.values())
-            self.states = state_of(self.slots)
+        """Read the block's slots again before it is copied: a `Parameter`, a buffer, a parameter's data or its
+        quantization state replaced since it was last put back (`p.data = new`, a new `Parameter`, in a step callback)
+        is what streams from now on and what is put back; a tensor found on the device is moved home first (its host
+        tensor is the one copied). Returns the bytes moved home."""
+        homed, renewed = 0, False
+        with torch.no_grad():
+            for i, (table, key) in enumerate(self.tables):
+                now = table.get(key)
+                if now is None:
+                    continue
+                leaves = flatten(now, detached=True)[1]
+                if now is self.originals[i] and _same(leaves, self.leaves[i]):
+                    continue
+                away = [x for x in leaves if not at_home(x)]
+                if away:
+                    homed += sum(x.numel() * x.element_size() for x in away)
+                    move_tensor(table, key, isinstance(now, torch.nn.Parameter), HOST)
+                    now = table[key]
+                self.originals[i] = now
+                self.specs[i], self.leaves[i] = flatten(now, detached=True)
+                renewed = True
+            states = state_of(self.slots)
+            if renewed or [id(t) for _, _, t in states] != [id(t) for _, _, t in self.states]:
+                for j, (owner, name, t) in enumerate(states):
+                    if not at_home(t):
+                        homed += t.numel() * t.element_size()
+                        t = t.to(HOST)
+                        setattr(owner, name, t)
+                        states[j] = (owner, name, t)
+                self.states = states
+                self.nbytes = sum(t.numel() * t.element_size() for t in {id(h): h for h in self.hosts}.values())
         return homed
 
     def swap_in(self, device: torch.device) -> None:
-        for (table, key), original, view in zip(self.tables, self.originals, self.views):
-            if isinstance(original, torch.nn.Parameter):
-                original.data = view
+        *mine, state = self._split(self.views)
+        self.installed = []
+        for (table, key), original, spec, views in zip(self.tables, self.originals, self.specs, mine):
+            if spec is not None:
+                value = unflatten(spec, views)[0]
+                table[key] = as_parameter(value, original) if isinstance(original, torch.nn.Parameter) else value
+            elif isinstance(original, torch.nn.Parameter):
+                original.data = views[0]
                 table[key] = original
             else:
-                table[key] = view
-        place_state(self.states, device)
-        self.marks = [version_of(table[key]) for table, key in self.tables]
+                table[key] = views[0]
+            self.installed.append(table[key])
+        for (owner, name, _), view in zip(self.states, state):
+            setattr(owner, name, view)
+        self.marks = [version_of(x) for x in self._live()]
+
+    def _live(self) -> List[torch.Tensor]:
+        """The plain tensors in the block's place now (its quantization state's included)."""
+        found = []
+        for table, key in self.tables:
+            found += leaves_of(table[key], ()) if table.get(key) is not None else []
+        return found + [getattr(owner, name) for owner, name, _ in self.states]
 
     def changed(self) -> bool:
-        for (table, key), original, view, mark in zip(self.tables, self.originals, self.views, self.marks):
-            now = table.get(key)
-            expected = original if isinstance(original, torch.nn.Parameter) else view
-            if now is not expected or _layout(now) != _layout(view):
-                return True
-            if mark is None or version_of(now) != mark:  # no counter to read: taken as changed (written back)
-                return True
-        return False
+        """Whether the forward changed the block: a tensor replaced, reshaped or restrided, or edited in place (its
+        version counter moved)."""
+        if any(table.get(key) is not mine for (table, key), mine in zip(self.tables, self.installed)):
+            return True
+        live = self._live()
+        if len(live) != len(self.views) or any(_layout(x) != _layout(v) for x, v in zip(live, self.views)):
+            return True
+        # No counter to read (an inference tensor): taken as changed (written back).
+        return any(mark is None or version_of(x) != mark for x, mark in zip(live, self.marks))
 
     def swap_out(self, write_back: bool) -> None:
         with torch.no_grad():
             for i, (table, key) in enumerate(self.tables):
                 now = table.get(key)
                 if write_back and now is not None:
-                    host = self.hosts[i]
-                    if _layout(now)[1:] == _layout(host)[1:] and not host.is_inference():
-                        self.hosts[i].copy_(now.data)
-                    else:
-                        # A new shape (it no longer fits the ring: refused at load) or an inference tensor: a fresh copy.
-                        self.hosts[i] = now.data.to(HOST, copy=True)  # never a view of the ring
+                    self._write_back(i, now)
                 original = self.originals[i]
-                if isinstance(original, torch.nn.Parameter):
-                    original.data = self.hosts[i]
-                    table[key] = original
-                else:
-                    table[key] = self.originals[i] = self.hosts[i]
-        restore_state(self.states)
-        self.views, self.marks, self.running = [], [], False
+                if isinstance(original, torch.nn.Parameter) and self.specs[i] is None:
+                    original.data = self.leaves[i][0]
+                table[key] = original
+            for j, (owner, name, host) in enumerate(self.states):
+                now = getattr(owner, name)
+                if write_back and now is not host:
+                    if now.shape == host.shape and now.dtype == host.dtype and not host.is_inference():
+                        host.copy_(now)
+                    else:
+                        self.states[j] = (owner, name, now.to(HOST, copy=True))
+                setattr(owner, name, self.states[j][2])
+        self.views, self.installed, self.marks, self.running = [], [], [], False
+
+    def _write_back(self, i: int, now: torch.Tensor) -> None:
+        """Copy slot `i`'s device tensors into its host tensors; a fresh host copy where they no longer match (a new
+        shape or dtype: it no longer fits the ring, which refuses it at the next load; an inference tensor)."""
+        found, hosts = leaves_of(now, ()), self.leaves[i]
+        fits = len(found) == len(hosts) and all(
+            d.shape == h.shape and d.dtype == h.dtype and not h.is_inference() for d, h in zip(found, hosts)
+        )
+        if fits:
+            for device_tensor, host in zip(found, hosts):
+                host.copy_(device_tensor)
+            return
+        original, wrapped = self.originals[i], self.specs[i] is not None
+        # Never a view of the ring; a parameter's `.data` (a 4-bit parameter's own `.to()` would move its state).
+        fresh = (now if wrapped or not isinstance(now, torch.nn.Parameter) else now.data).to(HOST, copy=True)
+        if wrapped and isinstance(original, torch.nn.Parameter):
+            self.originals[i] = original = as_parameter(fresh, original)
+        elif not isinstance(original, torch.nn.Parameter):
+            self.originals[i] = original = fresh
+        self.specs[i], self.leaves[i] = flatten(original if wrapped else fresh, detached=True)
 
 
 def device_of(slots) -> Optional[torch.device]:
@@ -106,16 +180,12 @@ def move_slots(slots, device: torch.device, non_blocking: bool = False) -> None:
     """Move the tensors in `slots` to `device` (a parameter keeps its object; a buffer is replaced)."""
     with torch.no_grad():
         for sub, is_param, key in slots:
-            table = sub._parameters if is_param else sub._buffers
-            if is_param:
-                table[key].data = table[key].data.to(device, non_blocking=non_blocking)
-            else:
-                table[key] = table[key].to(device, non_blocking=non_blocking)
+            move_tensor(sub._parameters if is_param else sub._buffers, key, is_param, device, non_blocking)
 
 
-def _data(tensor: torch.Tensor) -> torch.Tensor:
-    """A parameter's data, or the buffer itself."""
-    return tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
+def _same(leaves: List[torch.Tensor], held: List[torch.Tensor]) -> bool:
+    """Whether `leaves` are still the host tensors `held`: same number, each at home with the same layout."""
+    return len(leaves) == len(held) and all(at_home(x) and _layout(x) == _layout(h) for x, h in zip(leaves, held))
 
 
 def _layout(tensor: torch.Tensor) -> tuple:

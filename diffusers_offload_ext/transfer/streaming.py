@@ -1,7 +1,7 @@
 """`BlockStreamer`: runs one component larger than the room the budget leaves it. Its kept blocks go to the device
 for as long as it streams; every other block is copied into a ring buffer just before it runs (prefetched `depth`
 blocks ahead along the order the blocks ran in, never past the end of the component's forward) and released right
-after, its host tensors put back (`quant_state` too: `quant_state.py`).
+after, its host tensors put back (its quantization state too).
 
 Streamed blocks live on the device only during their own forward. A change made to one there (an in-place update of a
 parameter or buffer, a replaced tensor, a new shape, dtype or stride) is seen at release from the tensors' identity,
@@ -13,7 +13,11 @@ replaced included, is what runs and what is put back (`StreamedBlock.refresh`); 
 end of a forward, and a copy stream is drained there, so no copy reads host memory that code between forwards may
 write.
 Forward hooks are registered with `always_call`, so a block that raises still releases its buffer; `settle` releases
-whatever a failed call left.
+whatever a failed call left. Around a block compiled in place (regional compilation) they run outside its graph
+(`block_hooks.py`).
+
+Every plain tensor behind a streamed block passes through the ring, whatever its format (`streamed_block.py`,
+`parts.py`): the ring's buffers hold all of its bytes, quantization state included.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 from ..constants import COPY, DROP, OFFLOAD, ONLOAD, PREFETCH
 from .base import HOST
+from .block_hooks import Around
 from .inference import has_inference_parameters, streams_ordinary_tensors
 from .kept_blocks import KeptBlocks
 from .ring import Copier, Ring
@@ -93,11 +98,10 @@ class BlockStreamer:
         self._handles = [self.component.register_forward_hook(lambda *_: _drain(self.copier), always_call=True)]
         for name, block in self.streamed.items():
             _refresh(self, block)  # a tensor found on the device goes home
-            pre = block.module.register_forward_pre_hook(lambda module, args, name=name: self.enter(name))
-            post = block.module.register_forward_hook(lambda m, a, out, name=name: self.leave(name), always_call=True)
-            self._handles += [pre, post]
+            enter, leave = (lambda name=name: self.enter(name)), (lambda name=name: self.leave(name))
+            self._handles.append(Around(block.module, enter, leave))
         for block in self.kept:  # counted too, so that the next plan weighs every block by its uses
-            self._handles += [block.module.register_forward_pre_hook(lambda m, a, name=block.name: self._count(name))]
+            self._handles.append(Around(block.module, lambda name=block.name: self._count(name), None))
         for name in self.schedule(self.runs, None, self.depth, self.passes):  # cross while the rest runs
             self._load(name, ahead=True)
 
