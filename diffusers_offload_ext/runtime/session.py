@@ -268,7 +268,7 @@ def _transfer_for(session: Session, arming) -> Transfer:
     overlaps = arming.options.prefetches and arming.device.type in COPY_STREAMS
     if transfer is None or transfer.asynchronous != overlaps:
         transfer = make_transfer(arming.device, prefetch=overlaps)
-    transfer.pinning = pinned.store_for(arming.device) if arming.options.pin_memory is not False else None
+    transfer.pinning = pinned.store_for(arming.device) if arming.options.pins is not False else None
     return transfer
 
 
