@@ -5,7 +5,7 @@ made there into the host tensors (`streaming.py` runs them)."""
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -74,17 +74,26 @@ class StreamedBlock:
                 return True
         return False
 
-    def swap_out(self, write_back: bool) -> None:
+    def swap_out(self, write_back: bool, copy_home: Optional[Callable] = None) -> None:
+        """The host tensors back in place of the ring's views; with `write_back`, the device tensors copied into them
+        first (through `copy_home(pairs)`, `Copier.copy_home`: one host wait for the block where it is page-locked)."""
         with torch.no_grad():
+            pairs = []
             for i, (table, key) in enumerate(self.tables):
                 now = table.get(key)
                 if write_back and now is not None:
                     host = self.hosts[i]
                     if _layout(now)[1:] == _layout(host)[1:] and not host.is_inference():
-                        self.hosts[i].copy_(now.data)
+                        pairs.append((host, now.data))
                     else:
                         # A new shape (it no longer fits the ring: refused at load) or an inference tensor: a fresh copy.
                         self.hosts[i] = now.data.to(HOST, copy=True)  # never a view of the ring
+            if copy_home is not None:
+                copy_home(pairs)
+            else:
+                for host, tensor in pairs:
+                    host.copy_(tensor)
+            for i, (table, key) in enumerate(self.tables):
                 original = self.originals[i]
                 if isinstance(original, torch.nn.Parameter):
                     original.data = self.hosts[i]
