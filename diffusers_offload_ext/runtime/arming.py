@@ -180,7 +180,8 @@ def refresh_budget(session: Session) -> None:
         return
     sizes = session.facts.sizes
     stays = {n: sizes[n] for n in arming.arrangement.excluded + arming.arrangement.round_trip}
-    held = sum(sizes[n] for n in session.resident)
+    streaming = session.placement.streams.held  # a streaming component holds its kept blocks and ring
+    held = sum(streaming[n] if n in streaming else sizes[n] for n in session.resident)
     try:
         budget, _ = resolve_budget(arming.options, arming.device, stays, held)
     except ValueError:

@@ -43,7 +43,7 @@ class Session:
         self.transfer: Optional[Transfer] = None
         self.policy: Optional[Policy] = None
         self.placement = Placement(self.recorder.record, self.calls)
-        self.facts = Facts(Sizes(self.placement, None), stream_rooms=self.placement.stream_rooms)
+        self.facts = Facts(Sizes(self.placement, None), None, self.placement.stream_rooms, self.streams.held)
         self.hooks: Dict[str, object] = {}
         self.exclusion = Exclusion()
         #: The residency policies' value tables, kept across the policies of this pipeline.
@@ -88,7 +88,7 @@ class Session:
         replaces the one in force (the automatic budget changed)."""
         self.arming = arming or self.arming
         self.policy = policy
-        self.facts = Facts(Sizes(self.placement, self.transfer), capacity, self.placement.stream_rooms)
+        self.facts = self.facts._replace(sizes=Sizes(self.placement, self.transfer), capacity=capacity)
 
     def armed(self, hooks: Dict[str, object]) -> None:
         """The hooks are attached: offload is on."""
@@ -162,6 +162,8 @@ class Session:
         sharing.running.append(self)
         if not self.active:
             return
+        for name in self.streams.restructured(self.entries):  # between calls: it streams again from its blocks now
+            self.move(name, OFFLOAD)
         self.placement.recheck_all(self.transfer)
         for name in [n for n in self.modules if n not in self.policy.hooked and n not in self.resident]:
             self.move(name, ONLOAD)
@@ -169,12 +171,12 @@ class Session:
 
     def end_of_call(self, failed: bool) -> None:
         """The end of the call in progress, once per call (`maybe_free_model_hooks()`, or the call guard when the call
-        returned or raised without it): streams stop (what stays is chosen among whole components), the policy's
-        end-of-call moves are made (none where nothing is hooked); unless it `failed`, its trace joins the history
-        and what its streams learned (block order and uses) is kept."""
+        returned or raised without it): streams stop unless components stay between calls (`_end_streams`), the
+        policy's end-of-call moves are made (none where nothing is hooked; what stays is chosen with a stream at the
+        bytes it holds); unless it `failed`, its trace joins the history and what its streams learned is kept."""
         self.calls.end_trace(failed)
         if self.hooks:
-            self.stop_streams()
+            _end_streams(self, failed)
             self.carry_out(self.policy.on_call_end(self.resident, self.facts))
         self.streams.end_call(failed)
 
@@ -230,6 +232,18 @@ class Session:
         logger.debug(f"{direction} `{name}` ({record.nbytes} bytes, {record.kind})")
         if direction == ONLOAD:
             _make_room(module, self)
+
+
+def _end_streams(session: Session, failed: bool) -> None:
+    """A call ends: streams stop, unless components stay between calls; then nothing is left in their rings, and
+    those that would now keep other blocks (`BlockStreams.replanned`) stop, to start again weighed by this call's
+    uses (not after a failed call: a partial pass)."""
+    if not session.options.keep_between:
+        session.stop_streams()
+        return
+    session.streams.settle()
+    for name in [] if failed else session.streams.replanned():
+        session.move(name, OFFLOAD)
 
 
 def _transferred(session: Session, name: str, direction: str, ahead: bool):
