@@ -58,6 +58,8 @@ class Generations(NamedTuple):
         calls (`Tuple[Moved, ...]`): Each replayed generation.
         passes (`Tuple[Dict[str, Tuple[int, int]], ...]`): Per replayed generation, `{component: (passes, bytes)}`
             of the components that streamed their blocks (their passes are in `h2d`, not in `onloads`).
+        ends (`Tuple[FrozenSet[str], ...]`): Per replayed generation, the components on the device at its end (a
+            streaming one: its kept blocks).
     """
 
     setup: Moved
@@ -69,6 +71,7 @@ class Generations(NamedTuple):
     period: Optional[int]
     calls: Tuple[Moved, ...] = ()
     passes: Tuple[Dict[str, Tuple[int, int]], ...] = ()
+    ends: Tuple[FrozenSet[str], ...] = ()
 
     @property
     def extrapolated(self) -> bool:
@@ -96,7 +99,7 @@ def replay_generations(
         rest = extrapolate(per_call, period, generations - replayed)
     total_moved = total(per_call) + rest
     return Generations(
-        setup, per_call[0], total_moved, peak, generations, replayed, period, tuple(per_call), tuple(passes)
+        setup, per_call[0], total_moved, peak, generations, replayed, period, tuple(per_call), tuple(passes), states
     )
 
 
@@ -122,7 +125,7 @@ def _split(moves, calls: int):
     for index in range(calls):  # a call without moves ends as the one before it
         if states[index] is None:
             states[index] = states[index - 1] if index else frozenset()
-    return setup, per_call, states, passes
+    return setup, per_call, tuple(states), passes
 
 
 def find_period(calls: Sequence) -> Optional[int]:
