@@ -307,3 +307,28 @@ def test_an_exception_in_a_streamed_block_leaves_the_next_call_clean(accelerator
     records = onloads(pipe, 2)
     assert {r.block for r in records} == set(blocks.streamed)
     assert sum(r.nbytes for r in records) == tiny.STEPS_RUN[NAME] * blocks.bytes_per_pass
+
+
+@pytest.mark.parametrize("keep_between", [False, True], ids=["other-chain", "other-kept-between"])
+def test_a_pipeline_sharing_the_streaming_component_runs_it_with_the_images_of_no_offload(
+    accelerator, reference, keep_between
+):
+    """A second pipeline made with `from_pipe` shares the transformer that the first keeps streaming between calls:
+    when it runs it, that stream stops first and it places the transformer by its own options; calls of both, one
+    after the other, give the images of no offload, and once both release it everything is on the host."""
+    pipe, _ = armed()
+    other = type(pipe).from_pipe(pipe)
+    other.enable_model_cpu_offload(device="cpu", keep_on_device_between_generations=keep_between)
+    for target in (pipe, other, pipe, other, pipe):
+        assert max_abs_diff(tiny.run(target, NAME), reference) == 0.0
+        streams = doe.offload_status(pipe).components["transformer"].blocks is not None
+        if target is other:
+            assert not streams  # its call stopped the stream
+        elif not keep_between:  # (kept whole by the other, it runs whole, as any shared component it left there)
+            assert streams
+        whole = [r for r in doe.transfer_ledger(other).records if r.component == "transformer" and r.block is None]
+        assert not whole or whole[0].direction == "onload"  # it never sent home what it had not loaded
+    doe.release(pipe)
+    doe.release(other)
+    if accelerator is not None:
+        assert accelerator.where(pipe.transformer) == "host"

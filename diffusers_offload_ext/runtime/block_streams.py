@@ -199,6 +199,11 @@ class BlockStreams:
             self._learn(name, streamer)
             transfer.record(streamer.component, False)
 
+    def unlearn(self, name: str) -> None:
+        """What component `name`'s stream counted since its last call's end ran for another pipeline sharing it."""
+        streamer = self.active[name]
+        streamer.uses = dict.fromkeys(streamer.uses, 0)
+
     def abandon(self, name: str) -> None:
         """Component `name`'s weights were moved outside offload: stop streaming it where they are."""
         streamer = self.active.pop(name)
