@@ -19,6 +19,7 @@ from diffusers_offload_ext.blocks import REST  # noqa: E402
 from diffusers_offload_ext.constants import END  # noqa: E402
 from diffusers_offload_ext.models import load_model, plan  # noqa: E402
 from diffusers_offload_ext.models.block_compare import global_plan  # noqa: E402
+from diffusers_offload_ext.models.block_model import BlockPlans  # noqa: E402
 from diffusers_offload_ext.models.specs import load_spec  # noqa: E402
 from diffusers_offload_ext.models.strategies import all_strategies  # noqa: E402
 from diffusers_offload_ext.policies import Item, least_room, choose_blocks  # noqa: E402
@@ -407,3 +408,10 @@ def test_the_residency_benchmarks_block_column():
     trace = bench.workload_trace(call, 10)
     row = bench.evaluate("flux", trace, 10, 24 * GiB, sizes)
     assert row["blocks"] < row["optimum"]
+    # Its manager (streams) column: at 24 GiB T5 streams beside the resident transformer from the second call on,
+    # and its stream stays between calls: its kept blocks cross once, its streamed blocks once per call.
+    first = bench.evaluate("flux", bench.workload_trace(call, 1), 1, 24 * GiB, sizes)["streams"]
+    room = 24 * GiB - sum(sizes[n] for n in ("transformer", "text_encoder", "vae"))
+    t5 = BlockPlans.of(bench.scaled_blocks("flux", sizes)).plan("text_encoder_2", room)
+    assert first == (sum(sizes.values()), False) and not row["streams"][1]
+    assert row["streams"][0] - first[0] == t5.kept_bytes + 9 * t5.streamed_bytes
