@@ -104,7 +104,8 @@ OPTIONS: Tuple[Option, ...] = (
         values="`bool`",
         summary="Turns the residency manager on; the end of a call keeps components on the device (within the budget).",
         doc="""Turns on the residency manager and keeps components on the device at the end of a call (within the
-            budget), so that the next call does not upload them again. `diffusers_offload_ext.release(pipe)`
+            budget), so that the next call does not upload them again; a component that streams its blocks keeps
+            its kept blocks there, so that only its streamed blocks cross. `diffusers_offload_ext.release(pipe)`
             evicts them explicitly.""",
     ),
     Option(
