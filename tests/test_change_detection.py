@@ -100,6 +100,18 @@ def test_sign_flips_that_wrap_a_plain_sum_are_caught():
     assert not torch.equal(fingerprint(tensor), fingerprint(-tensor))
 
 
+def test_two_sign_flips_that_wrap_a_weighted_sum_are_caught():
+    """Why the fingerprint is not the cheaper weighted sum of the words (`benchmarks/fingerprint_cost.py`): negating
+    two bfloat16 elements four apart flips the top bit of two words, which any sum modulo 2**64 with odd weights
+    wraps away."""
+    tensor = torch.randn(4096).to(torch.bfloat16)
+    edited = tensor.clone()
+    edited[[3, 7]] = -edited[[3, 7]]
+    weights = torch.arange(1, 1025, dtype=torch.int64) * 0x9E3779B9 | 1
+    assert int(torch.dot(tensor.view(torch.int64), weights)) == int(torch.dot(edited.view(torch.int64), weights))
+    assert not torch.equal(fingerprint(tensor), fingerprint(edited))
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     dtype=st.sampled_from(DTYPES),
