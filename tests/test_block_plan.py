@@ -145,9 +145,12 @@ def test_the_26_gib_case_streams_t5_beside_the_resident_transformer(flux_blocks)
     assert 0 < t5.kept_bytes and t5.device_bytes <= room < sizes["text_encoder_2"]
     assert budget["steady_generation_bytes"] == t5.streamed_bytes < sizes["text_encoder_2"]
     assert result["strategies"]["residency"]["peak_bytes"] <= 26 * GiB
-    # On a 16 GiB card the transformer's stream takes the whole room: the VAE and the text encoders evict it.
-    stream = plan("flux-dev", vram="16GiB", reserve="3GiB")["block_residency"]["streaming"]["transformer"]
-    assert stream["kept_between_generations"] is False
+    # On a 16 GiB card the transformer's stream takes the whole room: T5 evicts it at each generation's start (with
+    # no reserve it is still on the device at the end of each, the VAE fitting beside it), so its kept blocks cross
+    # at every generation.
+    for reserve in ("3GiB", "0"):
+        stream = plan("flux-dev", vram="16GiB", reserve=reserve)["block_residency"]["streaming"]["transformer"]
+        assert stream["kept_between_generations"] is False
     loaded = load_model("flux-dev")
     whole = all_strategies(loaded.layout, loaded.sizes, loaded.denoisers, 26 * GiB)["residency"]
     replayed = doe.replay_trace(whole.policy, (result["call_trace"] + [END]) * 6, loaded.sizes, zero_copy=True)

@@ -133,8 +133,8 @@ def replayed_costs(moved, denoisers: Iterable[str], rate: int) -> Tuple[Cost, Op
 
 
 def streaming_entry(plans: BlockPlans, name: str, size: int, room: int, forwards: int, stays: bool = False) -> dict:
-    """How component `name` (`size` bytes, larger than `room`) streams, or why it cannot; `stays`: it is still on
-    the device at the end of a steady generation (kept between generations, its kept blocks not copied again)."""
+    """How component `name` (`size` bytes, larger than `room`) streams, or why it cannot; `stays`: its stream stays
+    between generations (kept between them, no steady generation copies its kept blocks again)."""
     plan = plans.plan(name, room)
     entry = {"component_bytes": size, "forwards_per_generation": forwards, "available": plan is not None}
     if plan is None:
@@ -249,8 +249,10 @@ def block_residency(loaded, request, call, plans: BlockPlans, moved: Mapping, bu
         return {"needed": False, "room_bytes": room, "reason": reason}
     items = model_items(plans, hooked, call)
     optimum = global_plan(items, room, [(n, REST) for n in hooked])
-    ends = moved["residency"].ends
-    stays = {n: bool(ends) and n in ends[-1] for n in hooked}  # still on the device as the last generation ends
+    onloaded = moved["residency"].loaded
+    stays = {
+        n: len(onloaded) > 1 and n not in onloaded[-1] for n in hooked
+    }  # its kept blocks not copied in a steady one
     streaming = {
         n: streaming_entry(plans, n, sizes[n], room, call.count(n), stays[n]) for n in hooked if sizes[n] > room
     }
