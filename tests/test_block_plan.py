@@ -19,6 +19,7 @@ from diffusers_offload_ext.blocks import REST  # noqa: E402
 from diffusers_offload_ext.constants import END  # noqa: E402
 from diffusers_offload_ext.models import load_model, plan  # noqa: E402
 from diffusers_offload_ext.models.block_compare import global_plan  # noqa: E402
+from diffusers_offload_ext.models.block_model import BlockPlans  # noqa: E402
 from diffusers_offload_ext.models.specs import load_spec  # noqa: E402
 from diffusers_offload_ext.models.strategies import all_strategies  # noqa: E402
 from diffusers_offload_ext.policies import Item, least_room, choose_blocks  # noqa: E402
@@ -131,14 +132,25 @@ def test_a_preview_between_steps_reloads_the_kept_blocks_at_every_step(flux_bloc
     assert result["block_residency"]["rows"]["budget"]["steady_generation_bytes"] is None  # one generation
 
 
-def test_the_26_gib_case_streams_t5_beside_the_resident_transformer():
+def test_the_26_gib_case_streams_t5_beside_the_resident_transformer(flux_blocks):
     """FLUX.1-dev under a 26 GiB budget: the transformer fits, but not beside T5. From the third generation on, T5
-    streams once beside it and the transformer never moves: T5's bytes per generation, not T5 + transformer."""
+    streams once beside it and the transformer never moves; with `keep_on_device_between_generations=True` T5's
+    stream stays between generations too (issue 22, second phase): only its streamed blocks cross, once per
+    generation, not the whole T5 (as before), nor T5 and the transformer (whole components)."""
     result = plan("flux-dev", vram="26GiB", reserve="0", generations=6)
     sizes = {n: c["nbytes"] for n, c in result["components"].items()}
     budget = result["block_residency"]["rows"]["budget"]
-    assert budget["steady_generation_bytes"] == sizes["text_encoder_2"]
+    room = 26 * GiB - sum(sizes[n] for n in ("transformer", "text_encoder", "vae"))  # what the others leave T5
+    t5 = streams(flux_blocks["text_encoder_2"], room)
+    assert 0 < t5.kept_bytes and t5.device_bytes <= room < sizes["text_encoder_2"]
+    assert budget["steady_generation_bytes"] == t5.streamed_bytes < sizes["text_encoder_2"]
     assert result["strategies"]["residency"]["peak_bytes"] <= 26 * GiB
+    # On a 16 GiB card the transformer's stream takes the whole room: T5 evicts it at each generation's start (with
+    # no reserve it is still on the device at the end of each, the VAE fitting beside it), so its kept blocks cross
+    # at every generation.
+    for reserve in ("3GiB", "0"):
+        stream = plan("flux-dev", vram="16GiB", reserve=reserve)["block_residency"]["streaming"]["transformer"]
+        assert stream["kept_between_generations"] is False
     loaded = load_model("flux-dev")
     whole = all_strategies(loaded.layout, loaded.sizes, loaded.denoisers, 26 * GiB)["residency"]
     replayed = doe.replay_trace(whole.policy, (result["call_trace"] + [END]) * 6, loaded.sizes, zero_copy=True)
@@ -399,3 +411,10 @@ def test_the_residency_benchmarks_block_column():
     trace = bench.workload_trace(call, 10)
     row = bench.evaluate("flux", trace, 10, 24 * GiB, sizes)
     assert row["blocks"] < row["optimum"]
+    # Its manager (streams) column: at 24 GiB T5 streams beside the resident transformer from the second call on,
+    # and its stream stays between calls: its kept blocks cross once, its streamed blocks once per call.
+    first = bench.evaluate("flux", bench.workload_trace(call, 1), 1, 24 * GiB, sizes)["streams"]
+    room = 24 * GiB - sum(sizes[n] for n in ("transformer", "text_encoder", "vae"))
+    t5 = BlockPlans.of(bench.scaled_blocks("flux", sizes)).plan("text_encoder_2", room)
+    assert first == (sum(sizes.values()), False) and not row["streams"][1]
+    assert row["streams"][0] - first[0] == t5.kept_bytes + 9 * t5.streamed_bytes

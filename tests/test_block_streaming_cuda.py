@@ -2,7 +2,8 @@
 copies made at once, from page-locked memory (`pin_memory=True`) and on the copy stream (`prefetch=True`), with the
 weights as built or loaded from safetensors files, the measured peak of allocated memory within the budget plus the
 activations, and no CUDA error left behind. `tools/gpu_check.sh` runs it; what has run is in docs/benchmarks-gpu.md
-(the first version of this file passed on an H200; this one has not run on a GPU yet)."""
+(the first version of this file passed on an H200; this one, with page-locking, prefetch, safetensors weights
+and kept blocks between calls, has not run on a GPU yet)."""
 
 import pytest
 import torch
@@ -88,3 +89,32 @@ def test_streaming_on_cuda_gives_the_images_of_no_offload_within_the_budget_plus
     doe.release(pipe)
     assert torch.ones(4, device="cuda").sum().item() == 4  # no CUDA error left behind by page-locking
     assert peak <= budget + activations + 512 * tensors
+
+
+@pytest.mark.parametrize("option", ["sync", "pinned-prefetch"])
+def test_kept_blocks_stay_on_cuda_between_calls(option):
+    """Issue 22, kept blocks between calls, on a real device: with `keep_on_device_between_generations=True` the
+    third call copies only the streamed blocks, its images are those of no offload, the kept blocks are on the
+    device between calls, and a release sends everything home with no CUDA error left behind."""
+    pipe = deep_flux()
+    pipe.to("cuda")
+    reference = tiny.run(pipe, NAME)
+    pipe.to("cpu")
+    budget = int(sum(block_sizes(pipe.transformer).values()) * 0.8)
+    pipe.enable_model_cpu_offload(
+        device="cuda",
+        memory_budget=budget,
+        exclude_from_offload=["vae", "text_encoder", "text_encoder_2"],
+        keep_on_device_between_generations=True,
+        **OPTIONS[option],
+    )
+    images = [tiny.run(pipe, NAME) for _ in range(3)]
+    assert all(max_abs_diff(image, reference) <= TOLERANCE for image in images)
+    status = doe.offload_status(pipe).components["transformer"]
+    assert status.resident and status.blocks is not None and status.where == "mixed"
+    third = [r for r in doe.transfer_ledger(pipe).records if r.call_index == 2 and r.direction == "onload"]
+    assert {r.block for r in third} == set(status.blocks.streamed)
+    assert sum(r.nbytes for r in third) == tiny.STEPS_RUN[NAME] * status.blocks.bytes_per_pass
+    doe.release(pipe)
+    assert all(p.device.type == "cpu" for p in pipe.transformer.parameters())
+    assert torch.ones(4, device="cuda").sum().item() == 4  # no CUDA error left behind

@@ -100,6 +100,18 @@ def test_sign_flips_that_wrap_a_plain_sum_are_caught():
     assert not torch.equal(fingerprint(tensor), fingerprint(-tensor))
 
 
+def test_two_sign_flips_that_wrap_a_weighted_sum_are_caught():
+    """Why the fingerprint is not the cheaper weighted sum of the words (`benchmarks/fingerprint_cost.py`): negating
+    two bfloat16 elements four apart flips the top bit of two words, which any sum modulo 2**64 with odd weights
+    wraps away."""
+    tensor = torch.randn(4096).to(torch.bfloat16)
+    edited = tensor.clone()
+    edited[[3, 7]] = -edited[[3, 7]]
+    weights = torch.arange(1, 1025, dtype=torch.int64) * 0x9E3779B9 | 1
+    assert int(torch.dot(tensor.view(torch.int64), weights)) == int(torch.dot(edited.view(torch.int64), weights))
+    assert not torch.equal(fingerprint(tensor), fingerprint(edited))
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     dtype=st.sampled_from(DTYPES),
@@ -199,3 +211,41 @@ def test_batched_fingerprints_see_contents_moved_between_tensors():
     edited[-1] += 1
     assert not torch.equal(fingerprints([large, a]), fingerprints([edited, a]))
     assert fingerprints([a, torch.randn(3).to_sparse()]) is None
+
+
+class WeightReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts, over the operations run inside it, the bytes read from the storages of `weights` by operations that
+    are not views, and the bytes of every storage they allocate."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.weights = {t.untyped_storage().data_ptr() for t in weights}
+        self.read, self.allocated, self.known = 0, 0, set(self.weights)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not func.is_view:
+            for t in inputs:
+                if t.untyped_storage().data_ptr() in self.weights:
+                    self.read += t.numel() * t.element_size()
+        self.known |= {t.untyped_storage().data_ptr() for t in inputs}
+        out = func(*args, **kwargs)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.known:
+                self.known.add(t.untyped_storage().data_ptr())
+                self.allocated += t.untyped_storage().nbytes()
+        return out
+
+
+def test_a_fingerprint_reads_each_weight_once_and_copies_none_of_them():
+    """Issue 22, item 3: the weights are read once, in place (no clone, no copy of them made first), whatever their
+    dtype; what it allocates is bounded by its scratch, not by the weights' size (25 MB here)."""
+    weights = [torch.randn(1 << 20).to(dtype) for dtype in (torch.bfloat16, torch.float32) for _ in range(4)]
+    weights += [torch.randn(1000).to(torch.float16) for _ in range(5)]  # small ones, packed once into one buffer
+    fingerprints(weights)  # made once per device: the positions' words
+    nbytes = sum(t.numel() * t.element_size() for t in weights)
+    with WeightReads(weights) as spy:
+        fingerprints(weights)
+    assert spy.read == nbytes
+    assert spy.allocated < nbytes // 4

@@ -181,3 +181,65 @@ def test_block_streaming_without_a_copy_stream_never_holds_the_host_for_a_page_l
     assert streamed and cuda.issued == []  # no copy stream: everything on the compute stream
     assert cuda.host_waits == own
     assert all(max_abs_diff(image, reference_flux) == 0.0 for image in images)
+
+
+# -- write-backs ----------------------------------------------------------------------------------------------------
+def _edit_through_data(module, sim):
+    """Double every floating weight of `module` on the device through `.data` (no version counter sees it); returns
+    the expected host values, read before any write-back is counted."""
+    expected = []
+    with torch.no_grad():
+        for p in module.parameters():
+            if sim.is_on_device(p) and p.is_floating_point():
+                p.data.mul_(2)
+                expected.append((p, p.detach().to("cpu", copy=True)))
+    return expected
+
+
+def test_a_write_back_into_page_locked_host_copies_holds_the_host_once_per_component():
+    """A resident component changed on the device is copied back into its page-locked host copies at its eviction:
+    non-blocking on the compute stream, then one host wait for all its tensors (not one per tensor), and the host
+    reads the new values (the fake's write-backs read NaN until the host waits)."""
+    pipe = tiny.build(NAME)
+    with fake_page_locking(), SimulatedAccelerator() as sim, fake_cuda() as cuda:
+        pipe.enable_model_cpu_offload(
+            device="cpu", memory_budget=BIG, keep_on_device_between_generations=True, pin_memory=True
+        )
+        tiny.run(pipe, NAME)
+        expected = _edit_through_data(pipe.unet, sim)
+        waits, syncs = len(cuda.waits), cuda.host_syncs
+        doe.release(pipe)
+        held = [w for w in cuda.waits[waits:] if w.startswith("d2h")]
+        syncs = cuda.host_syncs - syncs
+        assert sim.where(pipe.unet) == "host"
+    copied = [r for r in doe.transfer_ledger(pipe).records if r.direction == "offload" and r.kind == "copy"]
+    assert [r.component for r in copied] == ["unet"] and len(expected) > 10
+    assert held == [] and syncs == 1  # was one blocking copy per tensor
+    assert all(torch.equal(p.detach(), value) for p, value in expected)
+
+
+def test_a_kept_block_changed_on_the_device_is_written_back_with_one_host_wait():
+    from test_block_streaming import deep_flux
+
+    pipe = deep_flux()
+    budget = int(sum(block_sizes(pipe.transformer).values()) * 0.8)
+    with fake_page_locking(), SimulatedAccelerator() as sim, fake_cuda() as cuda:
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, pin_memory=True)
+        found = {}
+
+        def edit(p, step, timestep, kwargs):
+            if not found:
+                kept = [b for b in doe.offload_status(p).components["transformer"].blocks.resident if b != "<rest>"]
+                found["block"] = kept[0]
+                found["expected"] = _edit_through_data(p.transformer.get_submodule(kept[0]), sim)
+                found["at"] = (len(cuda.waits), cuda.host_syncs)
+            return kwargs
+
+        pipe(**tiny.call_kwargs("flux", pipe=pipe), callback_on_step_end=edit)
+        waits, syncs = found["at"]
+        held = [w for w in cuda.waits[waits:] if w.startswith("d2h")]
+        syncs = cuda.host_syncs - syncs
+    copied = [r for r in doe.transfer_ledger(pipe).records if r.direction == "offload" and r.kind == "copy"]
+    assert [r.block for r in copied] == [found["block"]]
+    assert held == [] and syncs == 1  # was one blocking copy per tensor
+    assert all(torch.equal(p.detach(), value) for p, value in found["expected"])

@@ -258,7 +258,12 @@ def _streaming_text(name: str, stream: dict) -> str:
         f"({output.gib(stream['kept_bytes'])} GiB), the others pass through a ring of {stream['slots']} buffers "
         f"({output.gib(stream['ring_bytes'])} GiB): {output.gib(stream['streamed_bytes_per_forward'])} GiB per "
         f"forward, {stream['forwards_per_generation']} forward(s) per generation; "
-        f"{output.gib(stream['device_bytes'])} GiB on the device."
+        f"{output.gib(stream['device_bytes'])} GiB on the device. "
+        + (
+            "Its kept blocks stay on the device between generations (only the others cross)."
+            if stream.get("kept_between_generations")
+            else "Its kept blocks are copied again at every generation (the other components need their room)."
+        )
     )
 
 

@@ -132,8 +132,9 @@ def replayed_costs(moved, denoisers: Iterable[str], rate: int) -> Tuple[Cost, Op
     return cost(0), mean._replace(passes=tuple((count / len(last), each) for count, each in mean.passes))
 
 
-def streaming_entry(plans: BlockPlans, name: str, size: int, room: int, forwards: int) -> dict:
-    """How component `name` (`size` bytes, larger than `room`) streams, or why it cannot."""
+def streaming_entry(plans: BlockPlans, name: str, size: int, room: int, forwards: int, stays: bool = False) -> dict:
+    """How component `name` (`size` bytes, larger than `room`) streams, or why it cannot; `stays`: its stream stays
+    between generations (kept between them, no steady generation copies its kept blocks again)."""
     plan = plans.plan(name, room)
     entry = {"component_bytes": size, "forwards_per_generation": forwards, "available": plan is not None}
     if plan is None:
@@ -153,6 +154,7 @@ def streaming_entry(plans: BlockPlans, name: str, size: int, room: int, forwards
         slots=plan.slots,
         device_bytes=plan.device_bytes,
         streamed_bytes_per_forward=plan.streamed_bytes,
+        kept_between_generations=stays,
     )
 
 
@@ -247,7 +249,13 @@ def block_residency(loaded, request, call, plans: BlockPlans, moved: Mapping, bu
         return {"needed": False, "room_bytes": room, "reason": reason}
     items = model_items(plans, hooked, call)
     optimum = global_plan(items, room, [(n, REST) for n in hooked])
-    streaming = {n: streaming_entry(plans, n, sizes[n], room, call.count(n)) for n in hooked if sizes[n] > room}
+    onloaded = moved["residency"].loaded
+    stays = {
+        n: len(onloaded) > 1 and n not in onloaded[-1] for n in hooked
+    }  # its kept blocks not copied in a steady one
+    streaming = {
+        n: streaming_entry(plans, n, sizes[n], room, call.count(n), stays[n]) for n in hooked if sizes[n] > room
+    }
     entry = {"needed": True, "budget_bytes": budget, "room_bytes": room, "streaming": streaming}
     if optimum is None:
         entry["optimum"] = {"available": False, "reason": "not even a ring of 3 of the smallest blocks fits"}

@@ -8,7 +8,9 @@ the whole component. `replay_streaming` replays the same policy with the stream 
 least room in which a plan of `policies.choose_blocks` exists: the component has repeated blocks, its rest and a ring
 fit) and books each stream as
 the runtime moves it: the plan's kept blocks once when the stream starts, and the streamed blocks at every use of the
-component while it streams (one pass per forward); as in the runtime, streams stop at every call's end. Ring buffers
+component while it streams (one pass per forward); as in the runtime, streams stop at every call's end unless
+components stay between calls (`keep_on_device_between_generations`), where a stream the policy keeps, counted at
+its kept blocks and ring, stays for the next call and its kept blocks are not copied again. Ring buffers
 are sized without the runtime's 256-byte alignment of each tensor (under 0.01 % at real sizes). Importing it needs no
 torch.
 """
@@ -143,32 +145,44 @@ class BlockPlans:
         return {name: room for name in names if (room := self.least_room(name)) is not None}
 
 
-class StopsStreams:
-    """`policy` as the runtime drives it when components stream: at a call's end every streaming component stops
-    (is offloaded) before the policy chooses what stays (`Session.end_of_call`), so the policy chooses among whole
-    components. Everything else is `policy`'s own answer."""
+class RuntimeStreams:
+    """`policy` as the runtime drives it when components stream: told the bytes each streaming component holds on
+    the device (its plan's kept blocks and ring, `Facts.streaming`), which count in place of its size while it is
+    resident. At a call's end, without `keep_between`, every streaming component stops (is offloaded) before the
+    policy chooses what stays, among whole components; with it, the policy chooses among everything resident, and a
+    stream it keeps stays for the next call (`Session.end_of_call`). Everything else is `policy`'s own answer."""
 
-    def __init__(self, policy) -> None:
-        self.policy, self.calls, self.streaming = policy, policy.calls, set()
+    def __init__(self, policy, plans: BlockPlans) -> None:
+        self.policy, self.calls, self.plans = policy, policy.calls, plans
+        self.streaming: Dict[str, int] = {}  # name -> bytes on the device of the plan it streams with
+
+    def _facts(self, facts):
+        return facts._replace(streaming=dict(self.streaming))
 
     def _seen(self, decision: Decision) -> Decision:
         for direction, name in decision.moves:
-            (self.streaming.add if direction == STREAM else self.streaming.discard)(name)
+            plan = self.plans.plan(name, decision.overflow.limit) if direction == STREAM else None
+            if plan is not None:
+                self.streaming[name] = plan.device_bytes
+            else:
+                self.streaming.pop(name, None)  # moved whole (a stream without a plan is loaded whole)
         return decision
 
     def on_enable(self, resident, facts) -> Decision:
-        return self._seen(self.policy.on_enable(resident, facts))
+        return self._seen(self.policy.on_enable(resident, self._facts(facts)))
 
     def on_call_start(self, calls) -> Decision:
         return self._seen(self.policy.on_call_start(calls))
 
     def on_use(self, name, resident, facts) -> Decision:
-        return self._seen(self.policy.on_use(name, resident, facts))
+        return self._seen(self.policy.on_use(name, resident, self._facts(facts)))
 
     def on_call_end(self, resident, facts) -> Decision:
+        if getattr(self.policy, "keep_between", False):
+            return self._seen(self.policy.on_call_end(resident, self._facts(facts)))
         stopped = [(OFFLOAD, name) for name in sorted(self.streaming)]
         self.streaming.clear()
-        decision = self.policy.on_call_end(set(resident) - {name for _, name in stopped}, facts)
+        decision = self.policy.on_call_end(set(resident) - {name for _, name in stopped}, self._facts(facts))
         return self._seen(Decision.of(stopped + list(decision.moves), decision.overflow))
 
 
@@ -176,10 +190,11 @@ def replay_streaming(policy, trace: Sequence[str], sizes: Mapping[str, int], pla
     """`(moves, peak)` of `policy` over `trace` (see `policies.replay_trace`) with streams booked block by block:
     a stream's onload is its kept blocks, each use of a streaming component adds one pass of its streamed blocks
     (a move of kind `STREAM`), and the peak counts a streaming component at its kept blocks and ring. A component
-    that cannot stream is loaded whole, and a streaming one stops at the call's end, as the runtime does."""
+    that cannot stream is loaded whole, and a streaming one stops at the call's end unless components stay between
+    calls and the policy keeps it, as the runtime does."""
     decisions = []
     result = replay_trace(
-        StopsStreams(policy),
+        RuntimeStreams(policy, plans),
         trace,
         sizes,
         zero_copy=zero_copy,

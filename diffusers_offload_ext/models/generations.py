@@ -58,6 +58,8 @@ class Generations(NamedTuple):
         calls (`Tuple[Moved, ...]`): Each replayed generation.
         passes (`Tuple[Dict[str, Tuple[int, int]], ...]`): Per replayed generation, `{component: (passes, bytes)}`
             of the components that streamed their blocks (their passes are in `h2d`, not in `onloads`).
+        loaded (`Tuple[FrozenSet[str], ...]`): Per replayed generation, the components onloaded in it: whole, or
+            a stream's kept blocks as it started (a stream that stayed from the generation before is not).
     """
 
     setup: Moved
@@ -69,6 +71,7 @@ class Generations(NamedTuple):
     period: Optional[int]
     calls: Tuple[Moved, ...] = ()
     passes: Tuple[Dict[str, Tuple[int, int]], ...] = ()
+    loaded: Tuple[FrozenSet[str], ...] = ()
 
     @property
     def extrapolated(self) -> bool:
@@ -88,7 +91,7 @@ def replay_generations(
         moves, peak = result.moves, result.peak
     else:
         moves, peak = replay_streaming(policy, trace, sizes, plans, zero_copy=zero_copy)
-    setup, per_call, states, passes = _split(moves, replayed)
+    setup, per_call, states, passes, loaded = _split(moves, replayed)
     period = None
     rest = Moved()
     if generations > replayed:
@@ -96,15 +99,17 @@ def replay_generations(
         rest = extrapolate(per_call, period, generations - replayed)
     total_moved = total(per_call) + rest
     return Generations(
-        setup, per_call[0], total_moved, peak, generations, replayed, period, tuple(per_call), tuple(passes)
+        setup, per_call[0], total_moved, peak, generations, replayed, period, tuple(per_call), tuple(passes), loaded
     )
 
 
 def _split(moves, calls: int):
-    """Setup, each call's `Moved`, the resident set at each call's end, and each call's block passes."""
+    """Setup, each call's `Moved`, the resident set at each call's end, each call's block passes, and the components
+    each call onloaded (whole, or a stream's kept blocks)."""
     setup, per_call = Moved(), [Moved() for _ in range(calls)]
     states: List[Optional[FrozenSet[str]]] = [None] * calls
     passes: List[Dict[str, Tuple[int, int]]] = [{} for _ in range(calls)]
+    loaded: List[set] = [set() for _ in range(calls)]
     resident = set()
     for move in moves:
         if move.kind == STREAM:
@@ -118,11 +123,13 @@ def _split(moves, calls: int):
             setup = setup + moved
         else:
             per_call[move.call] = per_call[move.call] + moved
+            if onload and move.kind != STREAM:
+                loaded[move.call].add(move.component)
             states[move.call] = frozenset(resident)
     for index in range(calls):  # a call without moves ends as the one before it
         if states[index] is None:
             states[index] = states[index - 1] if index else frozenset()
-    return setup, per_call, states, passes
+    return setup, per_call, tuple(states), passes, tuple(frozenset(names) for names in loaded)
 
 
 def find_period(calls: Sequence) -> Optional[int]:

@@ -53,11 +53,15 @@ class Facts(NamedTuple):
         stream_rooms (`Mapping[str, int]`, *optional*): The fewest bytes each component can run block by block in
             (any room at least that large will do); a component absent cannot. `None`: streaming beside the resident
             components is never considered (a component that fits alone is then loaded whole).
+        streaming (`Mapping[str, int]`, *optional*): The components streaming their blocks now and the bytes each
+            holds on the device (its kept blocks and ring), which count in place of its size while it is resident
+            (with `keep_on_device_between_generations`, also between calls). `None` or absent: its size counts.
     """
 
     sizes: Mapping[str, int]
     capacity: Optional[Callable[[int], Optional[int]]] = None
     stream_rooms: Optional[Mapping[str, int]] = None
+    streaming: Optional[Mapping[str, int]] = None
 
 
 class Policy:

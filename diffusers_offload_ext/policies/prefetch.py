@@ -7,6 +7,7 @@ from typing import AbstractSet, Optional
 
 from ..constants import END, PREFETCH
 from .base import Decision, Facts, apply
+from .kept_streams import held_bytes
 from .residency import ResidencyPolicy
 
 
@@ -38,7 +39,7 @@ class PrefetchPolicy(ResidencyPolicy):
             return decision
         need = self.sizes[following]
         limit = self._limit(after, facts)
-        if limit is not None and need + sum(self.sizes[n] for n in self.offloaded if n in after) > limit:
+        if limit is not None and need + sum(held_bytes(self, n, facts) for n in self.offloaded if n in after) > limit:
             return decision
         self.shadow.count(onloaded=need)
         return Decision.of(decision.moves + ((PREFETCH, following),), decision.overflow)

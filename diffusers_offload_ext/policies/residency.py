@@ -24,6 +24,7 @@ from .base import NOTHING, Decision, Facts, Overflow, Policy
 from .choice import exact_choice, greedy_choice
 from .masks import Universe
 from .forecast import Forecaster
+from .kept_streams import around_streams, carry, held_bytes, staying
 from .shadow import StockShadow
 
 #: Up to this many offloaded components the eviction choice is exact (2**n resident sets); above, a greedy rule.
@@ -97,8 +98,10 @@ class ResidencyPolicy(Policy):
         self.shadow = StockShadow(self.chain, self.hooked, self.zero_copy)
         self._version = self.calls.version
         self._uses_since_arm = 0
-        #: Components streaming beside the resident ones in this call, predicted to run no more in it.
+        #: Components streaming beside the resident ones that ran in this call, predicted to run no more in it.
         self.beside: Set[str] = set()
+        #: Those that streamed beside the others in an earlier call and stayed (between calls): not run in this call.
+        self.carried: Set[str] = set()
         self._start_forecast()
         for name in self.calls.current:
             self._advance(name)
@@ -117,7 +120,7 @@ class ResidencyPolicy(Policy):
 
     # -- the protocol ---------------------------------------------------------------------------------------------
     def on_call_start(self, calls: CallTracker) -> Decision:
-        self.beside.clear()  # streams stop at every call's end
+        self.beside.clear()  # what stayed of them between calls is `carried`
         if calls.version != self._version or self._uses_since_arm:
             self._version = calls.version
             self._uses_since_arm = 0
@@ -128,6 +131,7 @@ class ResidencyPolicy(Policy):
         self._advance(name)
         if name in self.beside and name in resident:  # the prediction was wrong
             return load_again(self, name, resident, facts)
+        carry(self, name, resident)
         if name in resident or name not in self.hooked:
             return NOTHING
         return self._load(name, resident, facts)
@@ -139,8 +143,10 @@ class ResidencyPolicy(Policy):
         need = self.sizes[name]
         limit = self._limit(resident, facts)
         self.shadow.count(onloaded=need)
+        gone, others, limit = around_streams(self, name, others, limit, facts)
+        first = [(OFFLOAD, n) for n in gone]
         if limit is None or need + sum(self.sizes[n] for n in others) <= limit:
-            return Decision(((ONLOAD, name),))
+            return Decision.of(first + [(ONLOAD, name)])
         overflow = None
         if need > limit:
             overflow, keep = Overflow(name, need, limit), set()
@@ -149,28 +155,33 @@ class ResidencyPolicy(Policy):
             streams = stream_beside(self, name, others, keep, limit, facts) if beside else None
             if streams is not None:
                 self.beside.add(name)
-                return streams
+                return Decision.of(first + list(streams.moves), streams.overflow)
         evicted = [n for n in others if n not in keep]
         self.shadow.count(evicted=sum(self.sizes[n] for n in evicted))
-        return Decision.of([(OFFLOAD, n) for n in evicted] + [(STREAM if overflow else ONLOAD, name)], overflow)
+        moves = first + [(OFFLOAD, n) for n in evicted] + [(STREAM if overflow else ONLOAD, name)]
+        return Decision.of(moves, overflow)
 
     def on_enable(self, resident: AbstractSet[str], facts: Facts) -> Decision:
         self.beside.clear()
+        self.carried.clear()
         self._uses_since_arm = 0
         self._version = self.calls.version
         self._start_forecast()
-        return self._arm(resident)
+        return self._arm(resident, facts)
 
     def on_call_end(self, resident: AbstractSet[str], facts: Facts) -> Decision:
+        self.carried = (self.carried | self.beside) if self.keep_between else set()
         self.beside.clear()
         self._uses_since_arm = 0
         self._version = self.calls.version
         self.forecaster.end_call(self.model, self._decisions_possible())
-        return self._arm(resident)
+        return self._arm(resident, facts)
 
     def on_shared_load(self, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
         others = [n for n in self.offloaded if n in resident and n != name]
-        held = sum(self.sizes.get(n, 0) for n in others) + (self.sizes.get(name, 0) if name in self.hooked else 0)
+        held = sum(held_bytes(self, n, facts) for n in others) + (
+            self.sizes.get(name, 0) if name in self.hooked else 0
+        )
         limit = self._limit(resident, facts)
         if limit is None or held <= limit:
             return Decision()
@@ -179,18 +190,17 @@ class ResidencyPolicy(Policy):
         return Decision.of((OFFLOAD, n) for n in others if n not in keep)
 
     # -- decisions --------------------------------------------------------------------------------------------------
-    def _arm(self, resident: AbstractSet[str]) -> Decision:
-        """Offload armed (enable, or a call's end): what stays for the next call, and the always-resident ones up."""
+    def _arm(self, resident: AbstractSet[str], facts: Facts) -> Decision:
+        """Offload armed (enable, or a call's end): what stays for the next call (a streaming component at the bytes
+        it holds, the first to go when they do not all fit), and the always-resident ones up."""
         self.shadow.arm(self.sizes)
         others = [n for n in self.offloaded if n in resident]
         if not self.keep_between:
             moves: List = [(OFFLOAD, n) for n in others]
         else:
-            keep = set(others)
-            if self.avail is not None and sum(self.sizes[n] for n in others) > self.avail:
-                keep = choose(self, None, others, self.avail)
+            keep = staying(self, others, facts, choose)
             moves = [(OFFLOAD, n) for n in others if n not in keep]
-        self.shadow.count(evicted=sum(self.sizes[n] for _, n in moves))
+        self.shadow.count(evicted=sum(held_bytes(self, n, facts) for _, n in moves))
         moves += [(ONLOAD, n) for n in self.order if n in self.stays and n not in resident]
         return Decision.of(moves)
 
@@ -225,7 +235,7 @@ class ResidencyPolicy(Policy):
         limit = self.avail
         if facts.capacity is not None:
             stays_bytes = sum(self.sizes[n] for n in self.stays if n in self.sizes)
-            held = stays_bytes + sum(self.sizes[n] for n in self.offloaded if n in resident)
+            held = stays_bytes + sum(held_bytes(self, n, facts) for n in self.offloaded if n in resident)
             capacity = facts.capacity(held)
             if capacity is not None:
                 room = max(int(capacity) - stays_bytes, 0)

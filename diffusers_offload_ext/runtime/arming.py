@@ -105,6 +105,11 @@ def arm(pipe, arming: Arming) -> Session:
             "`keep_on_device_between_generations=True`): the manager evicts only to make room. It stays in force "
             "for when the manager is off; pass `keep_on_device_during_generation=False` to drop it."
         )
+    if arming.options.auto_pins and not session.options.auto_pins:
+        logger.info(
+            '`prefetch=True` page-locks the host copies where the device supports it (`pin_memory="auto"`): only '
+            "page-locked memory can be copied while compute runs. Pass `pin_memory=True` to require it."
+        )
     quiet_sub_pipelines(pipe)
     STOCK["remove_all_hooks"](pipe)
     session.exclusion.restore(pipe)
@@ -198,7 +203,8 @@ def refresh_budget(session: Session) -> None:
         return
     sizes, fixed = session.facts.sizes, session.placement.fixed_sizes()
     stays = {n: sizes[n] for n in arming.arrangement.excluded + arming.arrangement.round_trip}
-    held = sum(sizes[n] for n in session.resident) + sum(fixed.values())
+    streaming = session.placement.streams.held  # a streaming component holds its kept blocks and ring
+    held = sum(streaming[n] if n in streaming else sizes[n] for n in session.resident) + sum(fixed.values())
     try:
         budget, _ = resolve_budget(arming.options, arming.device, stays, held, fixed)
     except ValueError:

@@ -5,7 +5,8 @@ component can stream in."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict, NamedTuple, Optional, Set, Tuple
+from collections.abc import Mapping
+from typing import Callable, Dict, Iterator, NamedTuple, Optional, Set, Tuple
 
 from diffusers.utils import logging
 
@@ -101,6 +102,23 @@ def _tensors(block):
     return [(sub._parameters if is_param else sub._buffers)[key] for sub, is_param, key in block.slots]
 
 
+class StreamBytes(Mapping):
+    """The bytes each streaming component of `streams` holds on the device, its kept blocks and ring: what the
+    policy counts for it while it is resident (`Facts.streaming`), read live."""
+
+    def __init__(self, streams: "BlockStreams") -> None:
+        self._choices = streams.choices
+
+    def __getitem__(self, name: str) -> int:
+        return self._choices[name].device_bytes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._choices)
+
+    def __len__(self) -> int:
+        return len(self._choices)
+
+
 class BlockStreams:
     """The streaming components of one pipeline.
 
@@ -114,9 +132,13 @@ class BlockStreams:
         self.record, self.calls = record, calls
         self.active: Dict[str, BlockStreamer] = {}
         self.choices: Dict[str, BlockChoice] = {}
+        self.rooms: Dict[str, int] = {}  # name -> the room each active stream was given
+        self.built: Dict[str, int] = {}  # name -> its entry's `changes` when it started streaming
         self.learned: Dict[str, tuple] = {}  # name -> (block order, block uses) of its last stream
         self.this_call: Dict[str, tuple] = {}  # the same, learned in the call in progress
         self.said: Set[str] = set()  # components whose streaming (or failure to) was logged
+        #: The bytes each streaming component holds on the device (`Facts.streaming`).
+        self.held = StreamBytes(self)
 
     def start(self, name: str, module, room: int, transfer, check: bool) -> Tuple[Optional[BlockChoice], str]:
         """Start streaming component `name` (`module`) within `room` bytes through `transfer` (`check`: fingerprint
@@ -144,7 +166,8 @@ class BlockStreams:
             passes=max(uses.values()) if uses else None,
             schedule=blocks_ahead,
         )
-        self.active[name], self.choices[name] = streamer, choice
+        self.active[name], self.choices[name], self.rooms[name] = streamer, choice, room
+        self.built[name] = transfer.entry(module).changes
         streamer.start()
         transfer.record(module, True)
         return choice, ""
@@ -182,6 +205,11 @@ class BlockStreams:
             self._learn(name, streamer)
             transfer.record(streamer.component, False)
 
+    def unlearn(self, name: str) -> None:
+        """What component `name`'s stream counted since its last call's end ran for another pipeline sharing it."""
+        streamer = self.active[name]
+        streamer.uses = dict.fromkeys(streamer.uses, 0)
+
     def abandon(self, name: str) -> None:
         """Component `name`'s weights were moved outside offload: stop streaming it where they are."""
         streamer = self.active.pop(name)
@@ -194,15 +222,41 @@ class BlockStreams:
         for streamer in self.active.values():
             streamer.settle()
 
+    def restructured(self, entries) -> list:
+        """The streaming components whose structure changed since they started (a sub-module, parameter or buffer
+        assigned: `entries`' change counts, which a size read does not reset)."""
+        return [name for name in self.active if entries[name].changes != self.built[name]]
+
+    def replanned(self) -> list:
+        """The streams that, weighed by the uses their blocks had in this call, would keep other blocks (or size their
+        ring otherwise) within the room they were given: started without knowing their uses (a first call keeps the
+        VAE's encoder blocks for a decode). Stopped at the call's end, they start again with the better plan."""
+        stale = []
+        for name, streamer in self.active.items():
+            if any(streamer.uses.values()):
+                choice, _, _ = block_choice(streamer.component, self.rooms[name], dict(streamer.uses))
+                now = self.choices[name]
+                if choice is None or (set(choice.kept), choice.slot_bytes) != (set(now.kept), now.slot_bytes):
+                    stale.append(name)
+        return stale
+
     def end_call(self, failed: bool) -> None:
         """The call in progress ended: what its streams learned is the plan of the next calls, unless it `failed` (a
-        partial pass: blocks that did not run would weigh nothing)."""
+        partial pass: blocks that did not run would weigh nothing). A stream that stays between calls learns what
+        this call ran and counts the next call's uses afresh."""
         if not failed:
             self.learned.update(self.this_call)
+            for name, streamer in self.active.items():
+                if any(streamer.uses.values()):
+                    self.learned[name] = (tuple(streamer.runs), dict(streamer.uses))
         self.this_call.clear()
+        for streamer in self.active.values():
+            streamer.uses = dict.fromkeys(streamer.uses, 0)
 
     def _learn(self, name: str, streamer: BlockStreamer) -> None:
         self.choices.pop(name, None)
+        self.rooms.pop(name, None)
+        self.built.pop(name, None)
         if any(streamer.uses.values()):
             learned = self.this_call if self.calls.in_call else self.learned
             learned[name] = (tuple(streamer.runs), dict(streamer.uses))

@@ -16,8 +16,8 @@ from ..layout import modules_of
 from ..marks import MARK, STOCK, combined_of, get_session
 from .arming import arm, arm_again, validate
 from .hook import detach
+from ..transfer.pinned import unpin
 from .options import docstring, signature, take
-from .session import unpin
 
 logger = logging.get_logger(f"diffusers.{__name__}")
 

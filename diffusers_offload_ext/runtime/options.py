@@ -104,7 +104,8 @@ OPTIONS: Tuple[Option, ...] = (
         values="`bool`",
         summary="Turns the residency manager on; the end of a call keeps components on the device (within the budget).",
         doc="""Turns on the residency manager and keeps components on the device at the end of a call (within the
-            budget), so that the next call does not upload them again. `diffusers_offload_ext.release(pipe)`
+            budget), so that the next call does not upload them again; a component that streams its blocks keeps
+            its kept blocks there, so that only its streamed blocks cross. `diffusers_offload_ext.release(pipe)`
             evicts them explicitly.""",
     ),
     Option(
@@ -121,7 +122,8 @@ OPTIONS: Tuple[Option, ...] = (
             change; opt-in until measured on a GPU). `False`: every eviction copies, like stock.""",
     ),
     Option(
-        "pin_memory", Union[bool, str, None], '`bool` or `"auto"`', "`False`", check.bool_or_auto, check.replace,
+        "pin_memory", Union[bool, str, None], '`bool` or `"auto"`', 'not set: `"auto"` with `prefetch`, else off',
+        check.bool_or_auto, check.replace,
         field="pin_memory",
         values='`bool` or `"auto"`',
         summary='Page-lock the host copies in place. `"auto"`: where the device supports it (CUDA); `True` raises '
@@ -130,19 +132,21 @@ OPTIONS: Tuple[Option, ...] = (
             budget of half the host's memory, a quarter on Windows; spent first on the components that move most),
             so that onloads copy at page-locked speed. `"auto"`: where the device supports it (CUDA); `True`: raise
             where it does not. The host copies are kept while components are on the device, and an eviction that
-            must copy writes into them. Opt-in until measured on a GPU.""",
+            must copy writes into them. Not set: `"auto"` while `prefetch` acts (one info line says so), off
+            otherwise. Opt-in until measured on a GPU.""",
     ),
     Option(
-        "prefetch", Optional[bool], "`bool`", "`False`", check.flag, check.with_residency,
+        "prefetch", Optional[bool], "`bool`", "`False`", check.flag, check.prefetch_merge,
         field="prefetch",
         values="`bool`",
         summary="With the manager on: the next predicted component's onload starts while the current one runs, on a "
-        "CUDA copy stream.",
+        'CUDA copy stream, from page-locked memory (`pin_memory` not set: `"auto"`; `False` raises).',
         doc="""With the residency manager: while a component runs, start the onload of the one the previous call ran
             next, on a CUDA copy stream, when the budget has room for both (counted from that moment); the compute
-            stream waits for it before that component runs. Elsewhere onloads stay as they are. While the manager
-            is off it has no effect and stays set: it acts again when the manager is on. Opt-in until measured on a
-            GPU.""",
+            stream waits for it before that component runs. Only page-locked host memory can be copied while compute
+            runs: with `pin_memory` not set it is `"auto"` (one info line says so), and `pin_memory=False` raises a
+            `ValueError`. Elsewhere onloads stay as they are. While the manager is off it has no effect and stays
+            set: it acts again when the manager is on. Opt-in until measured on a GPU.""",
     ),
 )  # fmt: skip
 #: The option names, in the signature's order.
@@ -162,7 +166,8 @@ class OffloadOptions:
         memory_reserve (`int`, defaults to 3 GiB): `memory_reserve` in bytes.
         keep_between (`bool`, defaults to `False`): `keep_on_device_between_generations`.
         zero_copy (`bool`, *optional*): `zero_copy_eviction`; `None` (not set): on with the residency manager only.
-        pin_memory (`bool` or `"auto"`, defaults to `False`): `pin_memory`.
+        pin_memory (`bool` or `"auto"`, *optional*): `pin_memory`; `None` (not set): `"auto"` while `prefetch` acts
+            (`pins`).
         prefetch (`bool`, defaults to `False`): `prefetch`; set while the manager is off, it acts again when the
             manager is on (`prefetches`).
     """
@@ -174,7 +179,7 @@ class OffloadOptions:
     memory_reserve: int = DEFAULT_RESERVE
     keep_between: bool = False
     zero_copy: Optional[bool] = None
-    pin_memory: Union[bool, str] = False
+    pin_memory: Union[bool, str, None] = None
     prefetch: bool = False
 
     @property
@@ -193,6 +198,19 @@ class OffloadOptions:
         """Whether `prefetch` acts: it is set and the residency manager is on (it stays set while the manager is
         off)."""
         return self.prefetch and self.residency
+
+    @property
+    def pins(self) -> Union[bool, str]:
+        """Whether host copies are page-locked: `pin_memory` as given; not set, `"auto"` while `prefetch` acts (only
+        page-locked memory can be copied while compute runs), else `False`."""
+        if self.pin_memory is not None:
+            return self.pin_memory
+        return check.AUTO if self.prefetches else False
+
+    @property
+    def auto_pins(self) -> bool:
+        """`pin_memory` is not set and `prefetch` turns it to `"auto"`."""
+        return self.pin_memory is None and self.prefetches
 
     @property
     def keeps_nothing(self) -> bool:

@@ -43,7 +43,7 @@ class Session:
         self.transfer: Optional[Transfer] = None
         self.policy: Optional[Policy] = None
         self.placement = Placement(self.recorder.record, self.calls)
-        self.facts = Facts(Sizes(self.placement, None), stream_rooms=self.placement.stream_rooms)
+        self.facts = Facts(Sizes(self.placement, None), None, self.placement.stream_rooms, self.streams.held)
         self.hooks: Dict[str, object] = {}
         self.exclusion = Exclusion()
         #: The residency policies' value tables, kept across the policies of this pipeline.
@@ -77,7 +77,7 @@ class Session:
         self.transfer = _transfer_for(self, arming)
         stays = set(arming.arrangement.excluded) | set(arming.arrangement.round_trip)
         going = [m for n, m in self.modules.items() if modules.get(n) is not m or n in stays]
-        unpin(self.device, going if self.transfer.pinning is not None else self.modules.values())  # the old device's
+        pinned.unpin(self.device, going if self.transfer.pinning is not None else self.modules.values())  # old device
         self.arming = arming
         for name in self.placement.take(modules, self.transfer, holder=self, fixed=fixed):
             self.move(name, OFFLOAD)  # on another accelerator (the device changed): home first
@@ -89,7 +89,7 @@ class Session:
         replaces the one in force (the automatic budget changed)."""
         self.arming = arming or self.arming
         self.policy = policy
-        self.facts = Facts(Sizes(self.placement, self.transfer), capacity, self.placement.stream_rooms)
+        self.facts = self.facts._replace(sizes=Sizes(self.placement, self.transfer), capacity=capacity)
 
     def armed(self, hooks: Dict[str, object]) -> None:
         """The hooks are attached: offload is on."""
@@ -122,6 +122,7 @@ class Session:
             self.transfer.book.refresh(placement.modules[name], entry)
         if placement.stream_room_stale(name):
             placement.measure_streams([name])  # its blocks changed: so may the room it streams in
+        _stop_others_streams(self, name)  # this pipeline runs it: it places it
         calls = self.calls
         if calls.depth:
             calls.current.append(name)
@@ -163,6 +164,8 @@ class Session:
         sharing.running.append(self)
         if not self.active:
             return
+        for name in self.streams.restructured(self.entries):
+            self.move(name, OFFLOAD)  # its structure changed between calls: it streams again from its blocks now
         self.placement.recheck_all(self.transfer)
         for name in [n for n in self.modules if n not in self.policy.hooked and n not in self.resident]:
             self.move(name, ONLOAD)
@@ -170,12 +173,12 @@ class Session:
 
     def end_of_call(self, failed: bool) -> None:
         """The end of the call in progress, once per call (`maybe_free_model_hooks()`, or the call guard when the call
-        returned or raised without it): streams stop (what stays is chosen among whole components), the policy's
-        end-of-call moves are made (none where nothing is hooked); unless it `failed`, its trace joins the history
-        and what its streams learned (block order and uses) is kept."""
+        returned or raised without it): streams stop unless components stay between calls (`_end_streams`), the
+        policy's end-of-call moves are made; unless it `failed`, its trace joins the history and its streams' lessons.
+        """
         self.calls.end_trace(failed)
         if self.hooks:
-            self.stop_streams()
+            _end_streams(self, failed)
             self.carry_out(self.policy.on_call_end(self.resident, self.facts))
         self.streams.end_call(failed)
 
@@ -213,11 +216,9 @@ class Session:
         """Move one component through the transfer and record it; every pipeline holding it learns where it is."""
         module = self.modules[name]
         if name in self.streams.active:
-            if direction == ONLOAD:
-                return  # it runs on the device already, block by block
-            self.streams.stop(name, self.transfer)  # each block's move is in the ledger
-            self.placement.placed(module, False)
-            return
+            return _stop_stream(self, name, direction)
+        if _stop_others_streams(self, name) and direction == OFFLOAD:
+            return  # it streamed for another pipeline sharing it: that stream sent it home
         ahead, direction = direction == PREFETCH, ONLOAD if direction == PREFETCH else direction
 
         def carry() -> Tuple[int, str]:
@@ -231,6 +232,40 @@ class Session:
         logger.debug(f"{direction} `{name}` ({record.nbytes} bytes, {record.kind})")
         if direction == ONLOAD:
             _make_room(module, self)
+
+
+def _end_streams(session: Session, failed: bool) -> None:
+    """A call ends: streams stop, unless components stay between calls; then their rings are emptied, and those that
+    would keep other blocks now (`BlockStreams.replanned`; not after a failed call) stop, to start again."""
+    if not session.options.keep_between:
+        session.stop_streams()
+        return
+    session.streams.settle()
+    for name in [] if failed else session.streams.replanned():
+        session.move(name, OFFLOAD)
+
+
+def _stop_stream(session: Session, name: str, direction: str) -> None:
+    """`name` streams for `session`: an onload leaves it so (it runs on the device already, block by block); any other
+    move stops the stream (each block's move is in the ledger)."""
+    if direction != ONLOAD:
+        session.streams.stop(name, session.transfer)
+        session.placement.placed(session.modules[name], False)
+
+
+def _stop_others_streams(session: Session, name: str) -> bool:
+    """`session` runs or moves its component `name`: where another pipeline sharing it keeps it streaming, that stream
+    stops first (into that pipeline's ledger), and `session` places it by its own policy. Whether one stopped."""
+    if name in session.streams.active:
+        return False
+    module, stopped = session.modules[name], False
+    for other in sharing.holders(module):
+        theirs = other.name_of(module) if other is not session else None
+        if theirs is not None and theirs in other.streams.active:
+            other.streams.unlearn(theirs)  # not a pass of its own calls: its plan stays
+            other.move(theirs, OFFLOAD)
+            stopped = True
+    return stopped
 
 
 def _transferred(session: Session, name: str, direction: str, ahead: bool):
@@ -269,17 +304,8 @@ def _transfer_for(session: Session, arming) -> Transfer:
     overlaps = arming.options.prefetches and arming.device.type in COPY_STREAMS
     if transfer is None or transfer.asynchronous != overlaps:
         transfer = make_transfer(arming.device, prefetch=overlaps)
-    transfer.pinning = pinned.store_for(arming.device) if arming.options.pin_memory is not False else None
+    transfer.pinning = pinned.store_for(arming.device) if arming.options.pins is not False else None
     return transfer
-
-
-def unpin(device: Optional[torch.device], modules) -> None:
-    """Let the page-locked store of `device` go of `modules`' host memory (they left offload, or page-locking was
-    turned off); the memory itself stays, pageable."""
-    store = pinned.existing_store(device) if device is not None else None
-    if store is not None:
-        for module in modules:
-            store.release(module)
 
 
 def session_of(pipe) -> Session:

@@ -171,3 +171,19 @@ def with_residency(option, previous, value: Any, components, fields: dict) -> di
             "call: also pass `memory_budget=...` or `keep_on_device_between_generations=True`."
         )
     return {option.field: value}
+
+
+def prefetch_merge(option, previous, value: Any, components, fields: dict) -> dict:
+    """`with_residency`, and (merged after `pin_memory`) refused where it would act with `pin_memory=False` in force:
+    only page-locked host memory can be copied while compute runs, so nothing could be prefetched."""
+    merged = with_residency(option, previous, value, components, fields)
+    residency = fields["memory_budget"] is not None or fields["keep_between"]
+    if merged[option.field] and residency and fields["pin_memory"] is False:
+        given = "" if value is KEEP else f"`{option.name}={value!r}` "
+        raise ValueError(
+            f"{given or f'`{option.name}=True` (set before) '}copies only from page-locked host memory, and "
+            "`pin_memory=False` is in force: nothing could be prefetched. Leave `pin_memory` unset or pass "
+            '`pin_memory="auto"` (page-lock where the device supports it) or `pin_memory=True`; or pass '
+            f"`{option.name}=False`."
+        )
+    return merged

@@ -6,6 +6,10 @@ with the semantics it depends on modelled adversarially:
   stream waits for an event recorded after it, or the host synchronises; until then its destination holds NaN (zeros
   for integers) for the compute stream, so a layer run too early gives a wrong image. Work queued on the side stream
   after the copy sees it (stream order), and an event's `query()` is false until then;
+- **write-backs in flight until the host waits**: a non-blocking copy from the device into page-locked host memory
+  on the compute stream holds nothing, and its destination holds NaN (zeros for integers) until the host waits for
+  an event recorded after it (`Event.synchronize`, counted in `host_syncs`), for the stream or for the device, or
+  makes a blocking copy; so host memory read too early is wrong;
 - **pageable copies hold the host**: a non-blocking copy from memory that is not page-locked (as
   `testing/page_locking.py`'s fake says; all memory is pageable without it) runs at once, counted in `host_waits` and
   `pageable_async`; so does every blocking copy between host and device, on any stream (`host_waits`);
@@ -97,6 +101,8 @@ class FakeStream:
         self.wait_event(event)
 
     def synchronize(self) -> None:
+        if self.compute:
+            self.cuda.host_sync()
         self.land()
 
     def query(self) -> bool:
@@ -118,7 +124,9 @@ class FakeEvent:
         return self.stream is None or self.stream.compute or self.stream.landed >= self.mark
 
     def synchronize(self) -> None:
-        if self.stream is not None and not self.stream.compute:
+        if self.stream is not None and self.stream.compute:
+            self.stream.cuda.host_sync(self.mark)
+        elif self.stream is not None:
             self.stream.land(self.mark)
 
     def wait(self, stream: Optional[FakeStream] = None) -> None:
@@ -147,6 +155,8 @@ class FakeCuda(TorchFunctionMode):
         landed (`List[Tuple[int, int, int]]`): `(queued at, landed at, clock when queued)` of each landed copy: compute
             operation numbers, and the `clock` (every call the fake sees ticks it).
         waits (`List[str]`): What held the host, one entry per copy counted in `host_waits`.
+        host_syncs (`int`): Times the host waited for the compute stream's work (an event's, the stream's or the
+            device's `synchronize`).
         transfers (`list`): The `CopyStreamTransfer`s made for `prefetch=True`.
     """
 
@@ -167,6 +177,8 @@ class FakeCuda(TorchFunctionMode):
         self.landed: List[Tuple[int, int, int]] = []
         self.waits: List[str] = []
         self.transfers: list = []
+        self.host_syncs = 0
+        self._homing: List[Tuple[torch.Tensor, torch.Tensor, int]] = []  # write-backs not yet waited for by the host
 
     # -- torch.cuda -------------------------------------------------------------------------------------------------
     def new_stream(self, device=None, priority=0, **kwargs) -> FakeStream:
@@ -185,8 +197,25 @@ class FakeCuda(TorchFunctionMode):
             self.current = saved
 
     def synchronize(self, device=None) -> None:
+        self.host_sync()
         for stream in self.side:
             stream.land()
+
+    def host_sync(self, upto: Optional[int] = None) -> None:
+        """The host waits for the compute stream's work up to operation `upto` (all if `None`): the write-backs queued
+        before it land in host memory."""
+        self.host_syncs += 1
+        self._land_home(upto)
+
+    def _land_home(self, upto: Optional[int] = None) -> None:
+        waiting = []
+        for dst, value, number in self._homing:
+            if upto is None or number <= upto:
+                with torch._C.DisableTorchFunction():
+                    dst.copy_(value)
+            else:
+                waiting.append((dst, value, number))
+        self._homing = waiting
 
     # -- operations ---------------------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -249,10 +278,14 @@ class FakeCuda(TorchFunctionMode):
         locked = to_device and (not nbytes or (memory is not None and memory.locked(src.data_ptr(), nbytes)))
         if not nbytes:
             return func(*args, **kwargs)  # nothing to copy: PyTorch returns at once
+        home = func is _Tensor.copy_ and not to_device and memory is not None
+        if home and non_blocking and self.current.compute and memory.locked(args[0].data_ptr(), nbytes):
+            return self._home(func, args, kwargs)
         if not (non_blocking and locked):
             self.host_waits += 1
             self.waits.append(f"{'h2d' if to_device else 'd2h'} {func.__name__} {tuple(src.shape)}")
             self.pageable_async += bool(non_blocking)
+            self._land_home()  # a blocking copy waits for the compute stream's earlier work
             self.current.land()
             result = func(*args, **kwargs)
             self._account(args, kwargs, result)
@@ -262,6 +295,18 @@ class FakeCuda(TorchFunctionMode):
             self._account(args, kwargs, result)
             return result
         return self._queue(func, args, kwargs, src, memory, nbytes)
+
+    def _home(self, func, args, kwargs):
+        """A non-blocking write-back into page-locked host memory on the compute stream: it holds nothing, and its
+        destination reads NaN until the host waits for it."""
+        result = func(*args, **kwargs)
+        self._account(args, kwargs, result)
+        dst = args[0]
+        with torch._C.DisableTorchFunction():
+            value = dst.clone()
+            dst.copy_(_poison(value))
+        self._homing.append((dst, value, self.number))
+        return result
 
     def _queue(self, func, args, kwargs, src, memory, nbytes):
         stream = self.current

@@ -51,9 +51,10 @@ class Entry:
         sentinel (`torch.Tensor` or `None`): Its first tensor: where it is, is where the component is said to be.
         nbytes (`int`): Its bytes (parameters and buffers), as of the last `refresh`.
         dirty (`bool`): A sub-module, parameter or buffer was assigned since the last `refresh`.
+        changes (`int`): How many times one was assigned, ever (`refresh` does not reset it).
     """
 
-    __slots__ = ("resident", "host_copy", "sentinel", "nbytes", "dirty", "__weakref__")
+    __slots__ = ("resident", "host_copy", "sentinel", "nbytes", "dirty", "changes", "__weakref__")
 
     def __init__(self) -> None:
         self.resident = False
@@ -61,6 +62,7 @@ class Entry:
         self.sentinel: Optional[torch.Tensor] = None
         self.nbytes = 0
         self.dirty = True
+        self.changes = 0
 
 
 class Book:
@@ -110,6 +112,7 @@ class Book:
         entry = reference() if reference is not None else None
         if entry is not None:
             entry.dirty = True
+            entry.changes += 1
         return None
 
 

@@ -33,7 +33,7 @@ tensors only, read from the tensors themselves, so that such a part goes home at
 from __future__ import annotations
 
 import weakref
-from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -166,11 +166,12 @@ class HostCopy:
             return False
         return all(bool(same(now, sealed)) for (_, now), (_, sealed) in zip(content, self.content))  # read once
 
-    def write_back(self, module: torch.nn.Module) -> bool:
+    def write_back(self, module: torch.nn.Module, copy_home: Optional[Callable] = None) -> bool:
         """Copy the device tensors into the host tensors, in place, and put those back (an eviction that copies but
-        keeps the host memory, page-locked as it is). False, with nothing changed, where the structure, a shape or a
-        dtype changed on the device, a host tensor is an inference tensor, or some tensor was not on the host when
-        the copy was made: then a fresh host copy holds them."""
+        keeps the host memory, page-locked as it is): through `copy_home(pairs)` (`Copier.copy_home`: one host wait
+        for all of them from page-locked memory on CUDA), else one blocking copy per tensor. False, with nothing
+        changed, where the structure, a shape or a dtype changed on the device, a host tensor is an inference tensor,
+        or some tensor was not on the host when the copy was made: then a fresh host copy holds them."""
         live = self._live(module)
         if live is None or not self.complete:
             return False
@@ -182,10 +183,13 @@ class HostCopy:
             for t, host in zip(leaves, hosts):
                 if t.shape != host.shape or t.dtype != host.dtype or t.layout != host.layout or host.is_inference():
                     return False  # an inference tensor cannot be written in place outside inference mode
-                pairs.append((t, host))
-        with torch.no_grad():
-            for t, host in pairs:
                 if t.data_ptr() != host.data_ptr():
+                    pairs.append((host, t))
+        if copy_home is not None:
+            copy_home(pairs)
+        else:
+            with torch.no_grad():
+                for host, t in pairs:
                     host.copy_(t)
         self.restore(module)
         return True

@@ -50,7 +50,7 @@ class KeptBlocks:
                 copy.restore(self.component)  # its quantization state's host tensors too
                 self.emit(block.name, OFFLOAD, block.nbytes, DROP)
                 continue
-            if not copy.write_back(self.component):
+            if not copy.write_back(self.component, self.copier.copy_home):
                 move_slots(block.slots, HOST)  # a new shape or dtype: only a fresh host copy can hold it
                 home(states)
             self.emit(block.name, OFFLOAD, block.nbytes, COPY)

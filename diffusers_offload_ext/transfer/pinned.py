@@ -200,6 +200,15 @@ def existing_store(device: torch.device) -> Optional[PinnedStore]:
     return _STORES.get(device.type)
 
 
+def unpin(device: Optional[torch.device], modules) -> None:
+    """Let the page-locked store of `device` go of `modules`' host memory (they left offload, or page-locking was
+    turned off); the memory itself stays, pageable."""
+    store = existing_store(device) if device is not None else None
+    if store is not None:
+        for module in modules:
+            store.release(module)
+
+
 def _host_storages(*groups: Iterable[torch.Tensor]) -> Dict[int, Tuple[torch.Tensor, int]]:
     """`data_ptr -> (tensor, bytes)` of each distinct host storage; a tensor that cannot be page-locked (a subclass,
     a sparse tensor) is entered under the key `None`, so that the component never counts as all page-locked."""

@@ -118,6 +118,20 @@ class Copier:
             self.fence(hosts)
         return None
 
+    def copy_home(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each `(host tensor, device tensor)` pair into the host tensor (a write-back). On a CUDA device where
+        every host tensor is page-locked: queued (`non_blocking=True`) on the compute stream, after the work that made
+        the device tensors, then one event waited on by the host, once for all of them (their memory is read by the
+        host next); else blocking, one host wait per tensor, as `copy_` does."""
+        queued = self.queues([host for host, _ in pairs])
+        with torch.no_grad():
+            for host, tensor in pairs:
+                host.copy_(tensor, non_blocking=queued)
+        if queued and pairs:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            event.synchronize()
+
     def wait(self, token: Optional[object]) -> None:
         """Make the compute that follows wait for the copy `token` stands for."""
 

@@ -7,7 +7,7 @@ its bytes."""
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -128,37 +128,48 @@ class StreamedBlock:
         # No counter to read (an inference tensor): taken as changed (written back).
         return any(mark is None or version_of(x) != mark for x, mark in zip(live, self.marks))
 
-    def swap_out(self, write_back: bool) -> None:
+    def swap_out(self, write_back: bool, copy_home: Optional[Callable] = None) -> None:
+        """The host tensors back in place of the ring's views; with `write_back`, the device tensors copied into them
+        first (through `copy_home(pairs)`, `Copier.copy_home`: one host wait for the block where it is page-locked)."""
         with torch.no_grad():
+            pairs = []
+            if write_back:
+                for i, (table, key) in enumerate(self.tables):
+                    now = table.get(key)
+                    if now is not None:
+                        pairs += self._write_back(i, now)
+                for j, (owner, name, host) in enumerate(self.states):
+                    now = getattr(owner, name)
+                    if now is host:
+                        continue
+                    if now.shape == host.shape and now.dtype == host.dtype and not host.is_inference():
+                        pairs.append((host, now))
+                    else:
+                        self.states[j] = (owner, name, now.to(HOST, copy=True))
+            if copy_home is not None:
+                copy_home(pairs)
+            else:
+                for host, tensor in pairs:
+                    host.copy_(tensor)
             for i, (table, key) in enumerate(self.tables):
-                now = table.get(key)
-                if write_back and now is not None:
-                    self._write_back(i, now)
                 original = self.originals[i]
                 if isinstance(original, torch.nn.Parameter) and self.specs[i] is None:
                     original.data = self.leaves[i][0]
                 table[key] = original
-            for j, (owner, name, host) in enumerate(self.states):
-                now = getattr(owner, name)
-                if write_back and now is not host:
-                    if now.shape == host.shape and now.dtype == host.dtype and not host.is_inference():
-                        host.copy_(now)
-                    else:
-                        self.states[j] = (owner, name, now.to(HOST, copy=True))
-                setattr(owner, name, self.states[j][2])
+            for owner, name, host in self.states:
+                setattr(owner, name, host)
         self.views, self.installed, self.marks, self.running = [], [], [], False
 
-    def _write_back(self, i: int, now: torch.Tensor) -> None:
-        """Copy slot `i`'s device tensors into its host tensors; a fresh host copy where they no longer match (a new
-        shape or dtype: it no longer fits the ring, which refuses it at the next load; an inference tensor)."""
+    def _write_back(self, i: int, now: torch.Tensor) -> list:
+        """The `(host, device)` pairs that copy slot `i`'s device tensors into its host tensors; none, and a fresh host
+        copy made now, where they no longer match (a new shape or dtype: it no longer fits the ring, which refuses it
+        at the next load; an inference tensor)."""
         found, hosts = leaves_of(now, ()), self.leaves[i]
         fits = len(found) == len(hosts) and all(
             d.shape == h.shape and d.dtype == h.dtype and not h.is_inference() for d, h in zip(found, hosts)
         )
         if fits:
-            for device_tensor, host in zip(found, hosts):
-                host.copy_(device_tensor)
-            return
+            return list(zip(hosts, found))
         original, wrapped = self.originals[i], self.specs[i] is not None
         # Never a view of the ring; a parameter's `.data` (a 4-bit parameter's own `.to()` would move its state).
         fresh = (now if wrapped or not isinstance(now, torch.nn.Parameter) else now.data).to(HOST, copy=True)
@@ -167,6 +178,7 @@ class StreamedBlock:
         elif not isinstance(original, torch.nn.Parameter):
             self.originals[i] = original = fresh
         self.specs[i], self.leaves[i] = flatten(original if wrapped else fresh, detached=True)
+        return []
 
 
 def device_of(slots) -> Optional[torch.device]:

@@ -166,7 +166,7 @@ class BlockStreamer:
         if not block.running:
             return
         changed = block.changed()
-        block.swap_out(write_back=changed)
+        block.swap_out(write_back=changed, copy_home=self.copier.copy_home)
         slot = block.slot
         self._freed[slot] = self.copier.mark()
         self._holder[slot], block.slot = None, None

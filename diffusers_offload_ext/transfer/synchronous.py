@@ -82,7 +82,7 @@ class SyncTransfer(Transfer):
         elif host_copy is not None and self.pinning is not None and self.pinning.bytes_of(module):
             # Changed (or not checked): copied into the page-locked host tensors, which stay; else a fresh copy.
             nbytes = self.bytes_off(module, HOST) if self.readable else module_nbytes(module)
-            if not host_copy.write_back(module):
+            if not host_copy.write_back(module, self.copier().copy_home):
                 del host_copy
                 module.to(HOST)
                 self.pinning.forget_stale(module)

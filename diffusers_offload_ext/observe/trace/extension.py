@@ -3,7 +3,7 @@ runtime), times each move the session reports and records it as an `"extension"`
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -38,6 +38,15 @@ class ExtensionMoves:
         self.session = session
         if session is not None:
             session.observers.append(self)
+
+    def kept_blocks(self, name: str, session) -> Optional[int]:
+        """Where component `name` of `session` streams when tracing begins (kept between calls): the bytes of its
+        blocks on the device, which its moves from then on add to; `None` when it does not stream."""
+        active = session.streams.active
+        if name not in active:
+            return None
+        self.blocks[name] = {block.name: block.nbytes for block in active[name].kept}
+        return sum(self.blocks[name].values())
 
     def __call__(self, name: str, direction: str, module: torch.nn.Module) -> Callable:
         """The session is about to move component `name`; the returned function records the move when it is done."""

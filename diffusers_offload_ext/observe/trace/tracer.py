@@ -110,7 +110,10 @@ class Tracer:
     def initial_resident(self, name: str, session) -> int:
         view = self.view
         if view.mode == EXTENSION_MODE:
-            return self.trace.components.get(name, 0) if name in session.resident else 0
+            if name not in session.resident:
+                return 0
+            kept = self.extension.kept_blocks(name, session)  # streaming, kept between calls: its kept blocks
+            return self.trace.components.get(name, 0) if kept is None else kept
         if view.replays_model_offload or view.replays_group_offload:
             return 0
         return self.placement.resident_bytes(name, view.device_name)
