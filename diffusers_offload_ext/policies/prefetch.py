@@ -37,7 +37,7 @@ class PrefetchPolicy(ResidencyPolicy):
         if following is None or following in after or following not in self.hooked:
             return decision
         need = self.sizes[following]
-        limit = self._limit(after, facts)
+        limit = self._limit(after, facts, name)
         if limit is not None and need + sum(self.sizes[n] for n in self.offloaded if n in after) > limit:
             return decision
         self.shadow.count(onloaded=need)

@@ -24,13 +24,14 @@ from .base import NOTHING, Decision, Facts, Overflow, Policy
 from .choice import exact_choice, greedy_choice
 from .masks import Universe
 from .forecast import Forecaster
+from .limits import ComponentLimits
 from .shadow import StockShadow
 
 #: Up to this many offloaded components the eviction choice is exact (2**n resident sets); above, a greedy rule.
 MAX_EXACT = 8
 
 
-class ResidencyPolicy(Policy):
+class ResidencyPolicy(ComponentLimits, Policy):
     """Keep components on the device within a memory budget; evict what the predicted future needs least.
 
     Keep one instance for the life of a pipeline's configuration: forecasts may span calls.
@@ -58,6 +59,8 @@ class ResidencyPolicy(Policy):
             counts the bytes it moves against stock's.
         dynamic_capacity (`bool`, defaults to `False`): Whether `Facts.capacity` will bound the room (free device
             memory read before onloads, on CUDA); forecasts then hold value tables even when the budget fits everything.
+        limits (`Mapping[str, int]`, *optional*): The most bytes of weights (excluded included) on the device while
+            a component runs, where its activations need more room than the budget leaves (`ComponentLimits`).
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class ResidencyPolicy(Policy):
         max_exact: int = MAX_EXACT,
         zero_copy: bool = True,
         dynamic_capacity: bool = False,
+        limits=None,
     ) -> None:
         hooked = set(hooked)
         self.order = tuple(order)
@@ -92,6 +96,7 @@ class ResidencyPolicy(Policy):
         self.exact = len(self.offloaded) <= max_exact
         self.zero_copy = bool(zero_copy)
         self.dynamic_capacity = bool(dynamic_capacity)
+        self.limits = {name: int(nbytes) for name, nbytes in (limits or {}).items()}
         self.forecaster = Forecaster(None, self.keep_between, cache if cache is not None else {})
         self._resize()
         self.shadow = StockShadow(self.chain, self.hooked, self.zero_copy)
@@ -107,7 +112,7 @@ class ResidencyPolicy(Policy):
     def config(self) -> tuple:
         """What the decisions depend on besides the trace (the runtime reuses a policy while it is equal)."""
         sizes = tuple(sorted(self.sizes.items()))
-        options = (self.budget, self.keep_between, self.zero_copy)
+        options = (self.budget, self.keep_between, self.zero_copy, tuple(sorted(self.limits.items())))
         return (self.order, self.chain, self.offloaded, self.excluded, self.round_trip, sizes) + options
 
     @property
@@ -128,6 +133,8 @@ class ResidencyPolicy(Policy):
         self._advance(name)
         if name in self.beside and name in resident:  # the prediction was wrong
             return load_again(self, name, resident, facts)
+        if name in resident and name in self.limits:
+            return within_limit(self, name, resident, facts)
         if name in resident or name not in self.hooked:
             return NOTHING
         return self._load(name, resident, facts)
@@ -137,7 +144,7 @@ class ResidencyPolicy(Policy):
         others = [n for n in self.offloaded if n in resident and n != name]
         self._measure(facts, [name] + others)
         need = self.sizes[name]
-        limit = self._limit(resident, facts)
+        limit = self._limit(resident, facts, name)
         self.shadow.count(onloaded=need)
         if limit is None or need + sum(self.sizes[n] for n in others) <= limit:
             return Decision(((ONLOAD, name),))
@@ -221,8 +228,8 @@ class ResidencyPolicy(Policy):
             self.sizes.update({n: int(facts.sizes[n]) for n in changed})
             self._resize()
 
-    def _limit(self, resident: AbstractSet[str], facts: Facts) -> Optional[int]:
-        limit = self.avail
+    def _limit(self, resident: AbstractSet[str], facts: Facts, name: Optional[str] = None) -> Optional[int]:
+        limit = self.within_own(self.avail, name, facts)
         if facts.capacity is not None:
             stays_bytes = sum(self.sizes[n] for n in self.stays if n in self.sizes)
             held = stays_bytes + sum(self.sizes[n] for n in self.offloaded if n in resident)
@@ -280,6 +287,19 @@ def load_again(policy: ResidencyPolicy, name: str, resident: AbstractSet[str], f
     policy.shadow.count(evicted=policy.sizes[name])
     load = policy._load(name, set(resident) - {name}, facts, beside=False)
     return Decision.of([(OFFLOAD, name)] + list(load.moves), load.overflow)
+
+
+def within_limit(policy: ResidencyPolicy, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
+    """`name`, on the device already, runs again: the others leave where its activations need their room (its limit
+    is lower than the budget: `ComponentLimits`)."""
+    others = [n for n in policy.offloaded if n in resident and n != name]
+    limit = policy._limit(resident, facts, name)
+    if limit is None or sum(policy.sizes[n] for n in [name] + others) <= limit:
+        return NOTHING
+    keep = choose(policy, name, others, limit) if policy.sizes[name] <= limit else set()
+    evicted = [n for n in others if n not in keep]
+    policy.shadow.count(evicted=sum(policy.sizes[n] for n in evicted))
+    return Decision.of((OFFLOAD, n) for n in evicted)
 
 
 def choose_greedy(policy: ResidencyPolicy, others: List[str], room: int) -> Set[str]:

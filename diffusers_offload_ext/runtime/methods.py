@@ -14,7 +14,8 @@ from diffusers.utils import logging
 from ..calls import StepBar
 from ..layout import modules_of
 from ..marks import MARK, STOCK, get_session
-from .arming import arm, arm_again, validate
+from .activations import call_shape
+from .arming import arm, arm_again, before_call, validate
 from .hook import detach
 from .options import docstring, signature, take
 from .session import unpin
@@ -190,6 +191,7 @@ def guard_call(call):
             return call(self, *args, **kwargs)
         if session.active and not session.calls.in_call and _components_changed(self, session):
             self.enable_model_cpu_offload()
+        before_call(session, call_shape(args, kwargs))
         session.begin_call()
         failed = True
         try:

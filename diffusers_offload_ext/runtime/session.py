@@ -10,12 +10,13 @@ import torch
 from diffusers.utils import logging
 
 from ..calls import CallTracker
-from ..constants import OFFLOAD, ONLOAD, PREFETCH, STREAM
+from ..constants import OFFLOAD, ONLOAD, OUT_OF_MEMORY, PREFETCH, STREAM
 from ..ledger import Recorder
 from ..marks import SESSION_ATTR, get_session
 from ..policies import NOTHING, Decision, Facts, Policy
-from ..transfer import COPY_STREAMS, Transfer, make_transfer, pinned
+from ..transfer import COPY_STREAMS, Transfer, make_transfer, memory, pinned
 from . import sharing
+from .activations import Activations
 from .exclusion import Exclusion
 from .options import OffloadOptions
 from .placement import Placement, Sizes
@@ -49,6 +50,7 @@ class Session:
         #: The residency policies' value tables, kept across the policies of this pipeline.
         self.forecasts: dict = {}
         self.active = False
+        self.activations = Activations()  # what each call shape's activations need (`runtime/activations.py`)
 
     # -- read through ----------------------------------------------------------------------------------------------
     ledger = property(lambda self: self.recorder.ledger)
@@ -63,10 +65,8 @@ class Session:
     resident = property(lambda self: self.placement.resident)
     readable = property(lambda self: self.placement.readable)
     streams = property(lambda self: self.placement.streams)
-
-    def name_of(self, module: torch.nn.Module) -> Optional[str]:
-        """The component name of `module` in this pipeline, or `None`."""
-        return self.placement.name_of(module)
+    #: `name_of(module)`: the component name of `module` in this pipeline, or `None`.
+    name_of = property(lambda self: self.placement.name_of)
 
     # -- arming -------------------------------------------------------------------------------------------------------
     def adopt(self, arming, modules: Dict[str, torch.nn.Module]) -> None:
@@ -122,11 +122,13 @@ class Session:
         calls = self.calls
         if calls.depth:
             calls.current.append(name)
+        self.activations.close(self.device)
         decision = self.policy.on_use(name, placement.resident, self.facts)
         if decision is not NOTHING:
             self.carry_out(decision)
         if self.transfer.pending:
             self.transfer.ready(placement.modules[name])
+        self.activations.open(self.device, held_bytes(self), name)
 
     def request_offload(self, name: str) -> None:
         """Pipeline code called the component's `hook.offload()`."""
@@ -170,6 +172,7 @@ class Session:
         returned or raised without it): its trace joins the history unless it `failed`, streams stop (what stays is
         chosen among whole components), the policy's end-of-call moves are made (none where nothing is hooked)."""
         self.calls.end_trace(failed)
+        self.activations.end(self.device, failed)
         if self.hooks:
             self.stop_streams()
             self.carry_out(self.policy.on_call_end(self.resident, self.facts))
@@ -231,6 +234,47 @@ class Session:
         logger.debug(f"{direction} `{name}` ({record.nbytes} bytes, {record.kind})")
         if direction == ONLOAD:
             _make_room(module, self)
+
+
+def expect(session: Session, shape) -> None:
+    """The next pipeline call of `session` has `shape` (`activations.call_shape`): its budget is chosen for it, and
+    what it needs beyond the weights is measured from now on where the device tells."""
+    if not session.calls.in_call:
+        session.activations.expect(shape)
+        if session.active:
+            session.activations.begin(session.device, held_bytes(session))
+
+
+def held_bytes(session: Session) -> int:
+    """Bytes of `session`'s weights on the device (of a streaming component, its kept blocks and ring)."""
+    choices, sizes = session.streams.choices, session.facts.sizes
+    return sum(choices[n].device_bytes if n in choices else sizes[n] for n in session.resident)
+
+
+def make_room(session: Session, decision: Decision) -> None:
+    """Carry out a rung of an out-of-memory recovery (`recovery.py`), each move recorded with cause
+    `"out-of-memory"` (a move that runs out of memory itself ends the rung), then give what it freed back."""
+    session.activations.close(session.device)
+    with session.recorder.caused(OUT_OF_MEMORY):
+        session.streams.settle()
+        try:
+            session.carry_out(decision)
+        except torch.OutOfMemoryError:
+            logger.debug("A rung of an out-of-memory recovery ran out of device memory itself.")
+    memory.release_cached(session.device)
+    session.activations.open(session.device, held_bytes(session))
+
+
+def recovered(session: Session, name: str, failed_held: int) -> None:
+    """Component `name` ran again after an out-of-memory error (with `failed_held` bytes of weights on the device
+    when it failed) and completed: what the device holds now fitted beside its activations. The call shape learns it,
+    and the residency manager allows no more while `name` runs, from now on (the explicit `memory_budget` stays the
+    cap)."""
+    held = held_bytes(session)
+    allowed = getattr(session.policy, "allowed", lambda _: None)(name)
+    session.activations.recovered(name, held, within=allowed is None or failed_held <= allowed)
+    if hasattr(session.policy, "limit_while"):
+        session.policy.limit_while(name, held)
 
 
 def _make_room(module: torch.nn.Module, loader: Session) -> None:

@@ -1,0 +1,44 @@
+"""`ComponentLimits`: the most bytes of weights a budgeted policy allows on the device while one component runs,
+below its budget where that component's activations need more room (learnt per call shape, or shown by an
+out-of-memory error)."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from ..constants import OFFLOAD
+from .base import Decision
+
+
+class ComponentLimits:
+    """A mixin for `ResidencyPolicy`: `limits` by component, what they allow, and the evictions of an
+    out-of-memory recovery told to the shadow of stock's chain."""
+
+    budget: Optional[int] = None
+    limits: Dict[str, int]
+
+    def allowed(self, name: str) -> Optional[int]:
+        """The most bytes of weights on the device while `name` runs (`None`: no limit)."""
+        found = [n for n in (self.budget, self.limits.get(name)) if n is not None]
+        return min(found) if found else None
+
+    def within_own(self, limit: Optional[int], name: Optional[str], facts) -> Optional[int]:
+        """`limit` (bytes for offloaded components), lowered to `name`'s own limit where it has one; never below the
+        least room it streams in (`Facts.stream_rooms`), though: streaming in that is its smallest residency."""
+        if name not in self.limits:
+            return limit
+        stays_bytes = sum(self.sizes[n] for n in self.stays if n in self.sizes)
+        own = max(self.limits[name] - stays_bytes, (facts.stream_rooms or {}).get(name, 0))
+        return own if limit is None else min(limit, own)
+
+    def limit_while(self, name: str, nbytes: int) -> None:
+        """Fewer bytes of weights fit beside `name`'s activations than allowed (an out-of-memory error showed it):
+        while it runs, at most `nbytes` from now on (never more than before)."""
+        self.limits[name] = min(self.limits.get(name, int(nbytes)), int(nbytes))
+
+    def on_out_of_memory(self, name, resident, facts, running=(), held=0, least=None) -> Decision:
+        decision = super().on_out_of_memory(name, resident, facts, running, held, least)
+        evicted = [n for direction, n in decision.moves if direction == OFFLOAD and n != name]
+        self.shadow.count(evicted=sum(self.sizes.get(n, 0) for n in evicted))  # stock's shadow is told
+        self.beside.difference_update(evicted)
+        return decision
