@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from ..constants import OFFLOAD
+from ..constants import OFFLOAD, STREAM
 from .base import Decision
 
 
@@ -31,6 +31,20 @@ class ComponentLimits:
         own = max(self.limits[name] - stays_bytes, (facts.stream_rooms or {}).get(name, 0))
         return own if limit is None else min(limit, own)
 
+    def noting(self, decision: Decision) -> Decision:
+        """`decision`, after noting which components it streams (in this call: streams stop at every call's end)."""
+        streaming = self.__dict__.setdefault("_streaming", {})
+        for direction, name in decision.moves:
+            if direction == STREAM:
+                streaming[name] = self.calls.index
+            elif direction == OFFLOAD:
+                streaming.pop(name, None)
+        return decision
+
+    def is_streaming(self, name: str) -> bool:
+        """Whether a decision of this call streams `name` (it holds less than its size on the device)."""
+        return self.__dict__.get("_streaming", {}).get(name, ()) == self.calls.index
+
     def limit_while(self, name: str, nbytes: int) -> None:
         """Fewer bytes of weights fit beside `name`'s activations than allowed (an out-of-memory error showed it):
         while it runs, at most `nbytes` from now on (never more than before)."""
@@ -41,4 +55,4 @@ class ComponentLimits:
         evicted = [n for direction, n in decision.moves if direction == OFFLOAD and n != name]
         self.shadow.count(evicted=sum(self.sizes.get(n, 0) for n in evicted))  # stock's shadow is told
         self.beside.difference_update(evicted)
-        return decision
+        return self.noting(decision)

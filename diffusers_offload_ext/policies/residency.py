@@ -137,7 +137,7 @@ class ResidencyPolicy(ComponentLimits, Policy):
             return within_limit(self, name, resident, facts)
         if name in resident or name not in self.hooked:
             return NOTHING
-        return self._load(name, resident, facts)
+        return self.noting(self._load(name, resident, facts))
 
     def _load(self, name: str, resident: AbstractSet[str], facts: Facts, beside: bool = True) -> Decision:
         """`name` runs from the host: load it (or stream it, see `stream_beside`), evicting what it must."""
@@ -299,7 +299,12 @@ def within_limit(policy: ResidencyPolicy, name: str, resident: AbstractSet[str],
     keep = choose(policy, name, others, limit) if policy.sizes[name] <= limit else set()
     evicted = [n for n in others if n not in keep]
     policy.shadow.count(evicted=sum(policy.sizes[n] for n in evicted))
-    return Decision.of((OFFLOAD, n) for n in evicted)
+    moves = [(OFFLOAD, n) for n in evicted]
+    if policy.sizes[name] <= limit or policy.is_streaming(name):
+        return Decision.of(moves)
+    # Whole on the device, more than it may hold beside its activations: it streams within its limit instead.
+    moves += [(OFFLOAD, name), (STREAM, name)]
+    return policy.noting(Decision.of(moves, Overflow(name, policy.sizes[name], limit)))
 
 
 def choose_greedy(policy: ResidencyPolicy, others: List[str], room: int) -> Set[str]:

@@ -131,6 +131,7 @@ class _Attempt:
         self.smallest: Optional[int] = None
         self.failed_held = 0
         self.decision: Optional[Decision] = None
+        self.at_smallest = False
 
     @staticmethod
     @_opaque
@@ -161,7 +162,9 @@ class _Attempt:
         self.failed_held = self.failed_held or held_bytes(self.session)
         self.decision = rung(self.session, self.name, self.smallest) if len(self.tried) < MAX_RUNGS else None
         if self.decision is None or not self.decision.moves:
-            raise OffloadOutOfMemoryError(final_message(self.session, self.name, self.tried, error)) from error
+            if self.at_smallest or self.decision is None:  # a second error at the smallest residency
+                raise OffloadOutOfMemoryError(final_message(self.session, self.name, self.tried, error)) from error
+            self.at_smallest = True  # once more as it is, the memory freed given back to the device first
         return True
 
     @_opaque
@@ -192,6 +195,8 @@ def make_room(session, name: str, decision: Decision, smallest: Optional[int]) -
     streamed in so far."""
     before = held_bytes(session)
     carry_out_rung(session, decision)
+    if not decision.moves:
+        return "gave the memory it freed back to the device (nothing more could leave it)", smallest
     evicted = [n for direction, n in decision.moves if direction == OFFLOAD and n != name]
     if evicted:
         freed = format_size(max(before - held_bytes(session), 0))
@@ -269,9 +274,7 @@ def _versions(args, kwargs) -> list:
 
 def final_message(session, name: str, tried: List[str], error) -> str:
     """What was tried, and what to change, when no rung is left."""
-    done = (
-        "; then ".join(tried) if tried else "found nothing else on the device to evict and it cannot stream its blocks"
-    )
+    done = "; then ".join(tried) if tried else "found nothing it could do"
     stays = (
         sorted(set(session.arrangement.excluded) | set(session.arrangement.round_trip)) if session.arrangement else []
     )
