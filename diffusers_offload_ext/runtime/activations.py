@@ -152,12 +152,12 @@ class Activations:
             need = max((memory.peak_bytes(device) or 0) - self._held - self._base, 0)
             self._seen[self._running] = max(self._seen.get(self._running, 0), need)
 
-    def open(self, device: torch.device, held: int, running: Optional[str] = None) -> None:
-        """A segment begins, after the moves, with `held` bytes of weights on the device (`running`: the component
-        it runs; the same one where not given)."""
+    def open(self, device: torch.device, held, running: Optional[str] = None) -> None:
+        """A segment begins, after the moves, with `held` bytes of weights on the device (an `int`, or a function
+        that counts them: called only while measuring); `running`: the component it runs, the same where not given."""
         if self.measuring:
             memory.reset_peak(device)
-            self._held = held
+            self._held = held() if callable(held) else held
             self._running = running or self._running
 
     def end(self, device: torch.device, failed: bool) -> None:

@@ -128,7 +128,7 @@ class Session:
             self.carry_out(decision)
         if self.transfer.pending:
             self.transfer.ready(placement.modules[name])
-        self.activations.open(self.device, held_bytes(self), name)
+        self.activations.open(self.device, lambda: held_bytes(self), name)
 
     def request_offload(self, name: str) -> None:
         """Pipeline code called the component's `hook.offload()`."""
