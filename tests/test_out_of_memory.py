@@ -155,6 +155,23 @@ def test_weights_that_fit_beside_activations_that_do_not_complete_as_no_offload_
     assert 0 < learnt.fitted["transformer"] < sum(block_sizes(pipe.transformer).values())
 
 
+def test_within_a_call_each_component_runs_out_of_memory_once(reference):
+    """A preview decoded at every step: the VAE and the transformer alternate. Once each has run out of memory, the
+    weights that fitted beside it are its limit for the rest of the call: the other leaves first, no error again."""
+    pipe = deep_flux()
+    with SimulatedAccelerator(capacity=CAPACITY):
+        pipe.enable_model_cpu_offload(
+            device="cpu", memory_budget=ALL_WEIGHTS, keep_on_device_between_generations=True, **NO_COPY
+        )
+        kwargs = tiny.call_kwargs(NAME, pipe=pipe, preview=True)
+        kwargs.update(height=64, width=64, num_inference_steps=3)
+        with torch.no_grad():
+            pipe(**kwargs)
+    assert len(pipe._tiny_previews) == 3
+    (learnt,) = doe.offload_status(pipe).learnt
+    assert learnt.recoveries == 2 and set(learnt.fitted) == {"transformer", "vae"}
+
+
 def measure_per_component(size):
     """What the runtime is to learn, measured apart: every weight on the simulated device and no offload, the device's
     peak beyond them from each component's start to the next one's (or the call's end), by component."""
