@@ -119,8 +119,8 @@ class OffloadStatus(NamedTuple):
         options (`dict`): The options in force.
         pinned_bytes (`int`): Bytes of the components' host memory page-locked (`pin_memory`).
         reserve (`int` or `None`): With the residency manager, what the free memory read before onloads keeps for
-            activations (CUDA): the last call shape's learnt reserve, else `memory_reserve` for the automatic budget and
-            0 for an explicit one.
+            activations (CUDA): the last call shape's learnt reserve, else `memory_reserve` for the automatic budget
+            and 0 for an explicit one.
         learnt (`Tuple[LearntShape, ...]`): What each call shape taught (its activations, reserve, budget limit and
             out-of-memory recoveries), oldest first.
     """

@@ -196,7 +196,7 @@ def make_room(session, name: str, decision: Decision, smallest: Optional[int]) -
     before = held_bytes(session)
     carry_out_rung(session, decision)
     if not decision.moves:
-        return "gave the memory it freed back to the device (nothing more could leave it)", smallest
+        return "gave the cached memory back to the device (nothing more could leave it)", smallest
     evicted = [n for direction, n in decision.moves if direction == OFFLOAD and n != name]
     if evicted:
         freed = format_size(max(before - held_bytes(session), 0))
@@ -212,11 +212,15 @@ def make_room(session, name: str, decision: Decision, smallest: Optional[int]) -
 def recovered(session, name: str, tried: List[str], failed_held: int) -> None:
     """One log line per recovery, and the session learns from it."""
     learn(session, name, failed_held)
+    limit = (
+        f" From now on, calls of this shape keep at most {format_size(held_bytes(session))} of weights on the device "
+        f"while `{name}` runs (`doe.offload_status(pipe).learnt`)."
+        if hasattr(session.policy, "limit_while")
+        else ""
+    )
     logger.warning(
         f"`{name}` ran out of device memory on {session.device} ({describe(session.activations.shape)}); the offload "
-        f"{'; then '.join(tried)}, and `{name}` ran again: it completed. From now on, calls of this shape keep "
-        f"at most {format_size(held_bytes(session))} of weights on the device while `{name}` runs "
-        f"(`doe.offload_status(pipe).learnt`)."
+        f"{'; then '.join(tried)}, and `{name}` ran again: it completed.{limit}"
     )
 
 
@@ -237,7 +241,8 @@ def not_retried(error, module, args, kwargs, versions) -> Optional[str]:
         hooks = getattr(registry, "hooks", None)
         for hook in hooks.values() if isinstance(hooks, dict) else ():
             if getattr(hook, "_is_stateful", False):
-                return f"a stateful diffusers hook (`{type(hook).__name__}`) keeps a cache the failed forward may have changed"
+                name = type(hook).__name__
+                return f"a stateful diffusers hook (`{name}`) keeps a cache the failed forward may have changed"
     for label, value in list(enumerate(args)) + list(kwargs.items()):
         odd = _odd(value, 0)
         if odd is not None:
@@ -275,17 +280,16 @@ def _versions(args, kwargs) -> list:
 def final_message(session, name: str, tried: List[str], error) -> str:
     """What was tried, and what to change, when no rung is left."""
     done = "; then ".join(tried) if tried else "found nothing it could do"
-    stays = (
-        sorted(set(session.arrangement.excluded) | set(session.arrangement.round_trip)) if session.arrangement else []
-    )
+    stays = sorted(session.arrangement.excluded) if session.arrangement is not None else []
     kept = (
         f", leave {', '.join(f'`{n}`' for n in stays)} out of `exclude_from_offload` (they never leave the device)"
         if stays
         else ""
     )
+    shape = describe(session.activations.shape)
     return (
-        f"`{name}` ran out of device memory on {session.device} in a call of {describe(session.activations.shape)}, and the offload "
-        f"could not make enough room: it {done}; at its smallest residency it ran out again ({error}). The "
+        f"`{name}` ran out of device memory on {session.device} in a call of {shape}, and the offload could not "
+        f"make enough room: it {done}; at its smallest residency it ran out again ({error}). The "
         f"activations of this call need more than the device has beside the weights it must hold. Make the call "
         f"smaller (height, width, frames, batch), let the VAE decode in tiles or slices (`pipe.vae.enable_tiling()`, "
         f"`pipe.vae.enable_slicing()`){kept}, or free device memory held elsewhere. A lower `memory_budget` does not "

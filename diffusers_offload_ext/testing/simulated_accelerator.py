@@ -183,7 +183,7 @@ class SimulatedAccelerator(TorchFunctionMode):
         if self._tags.get(ref.key) is ref:
             del self._tags[ref.key]
 
-    # -- device memory (with a capacity) -------------------------------------------------------------------------------
+    # -- device memory (with a capacity) ------------------------------------------------------------------------------
     def _hold(self, tensor: torch.Tensor, held: Optional[int]) -> Optional[int]:
         """Count the storage behind `tensor` (once per storage, however many tensors view it), given the one its tag
         counted so far; returns the storage's address. Raises `torch.OutOfMemoryError` past the capacity."""
