@@ -213,8 +213,10 @@ def test_the_next_call_of_a_shape_starts_with_its_learnt_reserve_and_runs_withou
         first = call(pipe)
         errors = sim.out_of_memory_errors
         assert errors > 0 and memory.released > 0  # recovered, the freed memory given back through the transfer
+        resets = memory.resets
         images = [call(pipe), call(pipe)]
         assert sim.out_of_memory_errors == errors  # the later calls fitted: they started with what the shape taught
+        assert memory.resets == resets  # nothing left to learn: the allocator's peak is left alone
         images.append(call(pipe, 32))  # another shape (it may need a recovery of its own)
         errors = sim.out_of_memory_errors
         images.append(call(pipe))
