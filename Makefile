@@ -8,8 +8,9 @@ OLD_STACK := diffusers==0.32.2 accelerate==1.6.0 transformers==4.51.3
 # The quantization libraries users load FLUX with (bitsandbytes has a CPU backend since 0.48), for tests/test_quantized*.
 QUANT_LIBS := bitsandbytes==0.50.2 gguf==0.19.0 torchao==0.18.0 optimum-quanto==0.2.7
 DIFFUSERS_SDIST_VERSION := 0.42.1
-# The upstream patch series (patches/v0.42.1, patches/main) is checked with diffusers' own pinned tools, against the
-# PyPI sdists of 0.42.1 and 0.40.0 (whose pipeline_utils.py is the fetched main's); see patches/README.md.
+# The upstream patch series (patches/fixes, then patches/main or its backport patches/v0.42.1) are checked with
+# diffusers' own pinned tools, against the PyPI sdists of 0.42.1 and 0.40.0 (whose pipeline_utils.py is the fetched
+# main's); see patches/README.md.
 # (hf-doc-builder imports requests without requiring it)
 PATCH_TOOLS := ruff==0.9.10 hf-doc-builder==0.5.0 requests
 PATCH_SDISTS := build/sdist/diffusers-0.42.1.tar.gz build/sdist/diffusers-0.40.0.tar.gz
@@ -50,12 +51,13 @@ PYTEST := -p no:cacheprovider -q
 build/sdist/diffusers-%.tar.gz: | .venv-patch-tools/.installed
 	.venv-patch-tools/bin/pip download $(PIP_QUIET) --no-deps --no-binary :all: -d build/sdist diffusers==$*
 
-# diffusers v0.42.1 built from its source distribution with patches/v0.42.1 applied; this package is NOT installed.
-.venv-patched/.installed: patches/v0.42.1/*.patch patches/apply-to-sdist.sh build/sdist/diffusers-$(DIFFUSERS_SDIST_VERSION).tar.gz
+# diffusers v0.42.1 built from its source distribution with patches/fixes and patches/v0.42.1 applied; this package
+# is NOT installed.
+.venv-patched/.installed: patches/fixes/*.patch patches/v0.42.1/*.patch patches/apply-to-sdist.sh build/sdist/diffusers-$(DIFFUSERS_SDIST_VERSION).tar.gz
 	rm -rf .venv-patched build/diffusers-patched
 	$(PYTHON) -m venv .venv-patched
 	.venv-patched/bin/pip install $(PIP_QUIET) $(TORCH)
-	bash patches/apply-to-sdist.sh build/sdist/diffusers-$(DIFFUSERS_SDIST_VERSION).tar.gz build/diffusers-patched patches/v0.42.1
+	bash patches/apply-to-sdist.sh build/sdist/diffusers-$(DIFFUSERS_SDIST_VERSION).tar.gz build/diffusers-patched patches/fixes patches/v0.42.1
 	.venv-patched/bin/pip install $(PIP_QUIET) ./build/diffusers-patched accelerate==1.15.0 "transformers>=5,<6" sentencepiece protobuf peft pytest hypothesis
 	touch $@
 
@@ -85,10 +87,17 @@ check-patches: .venv-patch-tools/.installed $(PATCH_SDISTS)
 		$(if $(DIFFUSERS_REPO),--diffusers-repo $(DIFFUSERS_REPO))
 
 # The series' own diffusers-style tests (tests/pipelines/test_pipelines_model_cpu_offload.py of the patched sdist
-# tree; the sdist has no tests/__init__.py, which the relative imports need) against the patched build.
+# tree; the sdist has no tests/__init__.py, which the relative imports need) against the patched build; then the
+# fixes' tests (`-k Arguments`) against the sdist's own src/ as released: every one of them must fail there.
 test-patch-diffusers: .venv-patched/.installed
 	touch build/diffusers-patched/tests/__init__.py build/diffusers-patched/tests/pipelines/__init__.py
 	cd build/diffusers-patched && ../../.venv-patched/bin/pytest $(PYTEST) --rootdir=. -rs tests/pipelines/test_pipelines_model_cpu_offload.py
+	rm -rf build/diffusers-released && mkdir -p build/diffusers-released
+	git -C build/diffusers-patched archive "$$(git -C build/diffusers-patched rev-list --max-parents=0 HEAD)" src | tar -x -C build/diffusers-released
+	cd build/diffusers-patched && PYTHONPATH=$(CURDIR)/build/diffusers-released/src ../../.venv-patched/bin/pytest $(PYTEST) \
+		--rootdir=. -k Arguments tests/pipelines/test_pipelines_model_cpu_offload.py > ../released.log 2>&1; \
+		echo "the fixes' tests against diffusers $(DIFFUSERS_SDIST_VERSION) as released: $$(tail -n 1 ../released.log)"; \
+		grep -q " failed" ../released.log && ! grep -q " passed" ../released.log
 
 # Everything runs side by side (each pytest uses one thread; CI has 2 cores), each target's output printed whole
 # when it is done. `make test-serial` runs them one after the other.

@@ -21,7 +21,8 @@ class Arrangement(NamedTuple):
             excludes (they run outside the chain, like a ControlNet).
         round_trip (`Tuple[str, ...]`): Class-excluded components outside the chain: no hook; stock moves them to
             the host and back to the device whenever offload is armed.
-        excluded (`Tuple[str, ...]`): `exclude_from_offload`: on the device once, no hook, never moved again.
+        excluded (`Tuple[str, ...]`): `exclude_from_offload`: on the device once, never moved again; no offload hook
+            (the chain policy hears when one runs: it evicts its predecessor in `model_cpu_offload_seq`).
     """
 
     chain: Tuple[str, ...]

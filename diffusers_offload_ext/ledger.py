@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 from typing import Callable, Iterator, List, Optional, Tuple
 
-from .constants import DROP, ONLOAD
+from .constants import DROP, OFFLOAD, ONLOAD
 
 
 def new_counter() -> dict:
@@ -69,8 +69,19 @@ class TransferRecord(CopiedBytes):
     cause: Optional[str] = None
 
 
+#: Calls whose records a ledger holds by default (`TransferLedger.keep_calls`); its summary covers every call.
+KEEP_CALLS = 16
+
+
 class TransferLedger:
-    """The list of moves one pipeline's offloading made, in order.
+    """The moves one pipeline's offloading made, in order: the records of the last `keep_calls` calls, and counters
+    of every move ever made (until `clear()`), so that `summary()` and `copied_bytes()` stay exact over every call
+    while the records held stay bounded. A record belongs to its call; a move made outside a call (`call_index=None`)
+    belongs with the call before it (or before the first call).
+
+    Args:
+        keep_calls (`int` or `None`, defaults to `KEEP_CALLS` (16)): Calls whose records are held; `None` holds every
+            record (memory then grows with every call). Settable later: `ledger.keep_calls = 100`.
 
     Example:
 
@@ -81,15 +92,58 @@ class TransferLedger:
     ```
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep_calls: Optional[int] = KEEP_CALLS) -> None:
         self.records: List[TransferRecord] = []
+        self._calls: List[int] = []  # the call each held record belongs to (`-1`: before the first call)
+        self._latest = -1  # the latest call a record was made in
+        self.keep_calls = keep_calls
+        self._reset_counters()
+
+    @property
+    def keep_calls(self) -> Optional[int]:
+        """Calls whose records are held (`None`: all of them); setting it trims at once."""
+        return self._keep_calls
+
+    @keep_calls.setter
+    def keep_calls(self, value: Optional[int]) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"`keep_calls` must be an int or None (every record), got {value!r}.")
+        if value is not None and value < 0:
+            raise ValueError(f"`keep_calls` must not be negative, got {value!r}. Pass 0 to hold summaries only.")
+        self._keep_calls = value
+        self._trim()
+
+    def _reset_counters(self) -> None:
+        self._total = new_counter()
+        self._per_component: dict = {}
+        self._per_call: dict = {}
 
     def append(self, record: TransferRecord) -> None:
+        count(self._total, record)
+        count(self._per_component.setdefault(record.component, new_counter()), record)
+        count(self._per_call.setdefault(record.call_index, new_counter()), record)
+        call = self._latest if record.call_index is None else record.call_index
         self.records.append(record)
+        self._calls.append(call)
+        if call > self._latest:
+            self._latest = call
+            self._trim()
+
+    def _trim(self) -> None:
+        """Let go of the records of calls before the last `keep_calls`."""
+        if self._keep_calls is None:
+            return
+        first = self._latest - self._keep_calls + 1
+        drop = next((i for i, call in enumerate(self._calls) if call >= first), len(self._calls))
+        if drop:
+            del self.records[:drop]
+            del self._calls[:drop]
 
     def clear(self) -> None:
-        """Forget every record."""
+        """Forget every record and every count."""
         self.records.clear()
+        self._calls.clear()
+        self._reset_counters()
 
     def __len__(self) -> int:
         return len(self.records)
@@ -98,33 +152,29 @@ class TransferLedger:
         return iter(self.records)
 
     def __repr__(self) -> str:
-        return f"TransferLedger({len(self.records)} records, {self.copied_bytes()} bytes copied)"
+        return f"TransferLedger({len(self.records)} records held, {self.copied_bytes()} bytes copied)"
 
     def copied_bytes(self, direction: Optional[str] = None, call_index: Optional[int] = ...) -> int:
-        """Bytes that crossed the bus, optionally only in one `direction` and/or one `call_index`."""
-        return sum(
-            r.copied_bytes
-            for r in self.records
-            if (direction is None or r.direction == direction) and (call_index is ... or r.call_index == call_index)
-        )
+        """Bytes that crossed the bus, optionally only in one `direction` and/or one `call_index`; exact over every
+        call, including those whose records are no longer held."""
+        counter = self._total if call_index is ... else self._per_call.get(call_index, new_counter())
+        if direction is None:
+            return counter["total_bytes"]
+        key = {ONLOAD: "onload_bytes", OFFLOAD: "offload_bytes"}.get(direction)
+        return counter[key] if key is not None else 0
 
     def summary(self) -> dict:
-        """Counts and bytes, in total, per component and per call.
+        """Counts and bytes, in total, per component and per call: exact over every move since the ledger was made
+        or cleared, including the calls whose records are no longer held.
 
         Returns:
             `dict`: with keys `onloads`, `offloads`, `onload_bytes`, `offload_bytes` (bytes copied device-to-host),
             `dropped_bytes` (offloads that only released the device copy), `total_bytes` (bytes that crossed the
             bus), `per_component` and `per_call` (the same counters keyed by component name and by call index).
         """
-        total = new_counter()
-        per_component: dict = {}
-        per_call: dict = {}
-        for record in self.records:
-            count(total, record)
-            count(per_component.setdefault(record.component, new_counter()), record)
-            count(per_call.setdefault(record.call_index, new_counter()), record)
-        total["per_component"] = per_component
-        total["per_call"] = per_call
+        total = dict(self._total)
+        total["per_component"] = {name: dict(counter) for name, counter in self._per_component.items()}
+        total["per_call"] = {call: dict(counter) for call, counter in self._per_call.items()}
         return total
 
 

@@ -1,6 +1,7 @@
 """What the extension leaves on diffusers objects, and how to recognise it: the attribute that holds a pipeline's
 session, the marks on the functions that replace or wrap pipeline methods, stock's own methods captured before
-`install()` replaces them, and the marker of the extension's offload hook."""
+`install()` replaces them, the marker of the extension's offload hook, and the link from a sub-pipeline to the
+combined pipeline armed whole over it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ SESSION_ATTR = "_offload_ext_session"
 #: Marks a function of ours that replaced a `DiffusionPipeline` method or wraps a `__call__` (the value: what it
 #: replaced or wraps).
 MARK = "__offload_ext_wraps__"
+#: Attribute of a combined pipeline's sub-pipeline (in its `__dict__`): a weak reference to the combined pipeline
+#: armed whole over it, whose session a call of the sub-pipeline belongs to.
+COMBINED_ATTR = "_offload_ext_combined"
 #: Set on an adapted override of `enable_model_cpu_offload`, pointing to the class's own method.
 ADAPTED = "__offload_ext_adapts__"
 #: A class attribute, true on the extension's offload hook (`DeferredCpuOffload`).
@@ -47,3 +51,9 @@ def extension_hook(hook) -> Optional[Any]:
         if found is not None:
             return found
     return None
+
+
+def combined_of(pipe) -> Optional[Any]:
+    """The combined pipeline that armed `pipe` (one of its sub-pipelines) whole, or `None`."""
+    reference = pipe.__dict__.get(COMBINED_ATTR)
+    return reference() if reference is not None else None

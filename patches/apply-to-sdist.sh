@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Extract a diffusers source distribution and apply a patch series of this directory to it, so that
-# `pip install DEST_DIR` builds the patched diffusers.
+# Extract a diffusers source distribution and apply patch series of this directory to it, in order, so
+# that `pip install DEST_DIR` builds the patched diffusers.
 #
-#   patches/apply-to-sdist.sh diffusers-0.42.1.tar.gz /tmp/diffusers-patched              # patches/v0.42.1
-#   patches/apply-to-sdist.sh diffusers-0.40.0.tar.gz /tmp/diffusers-main patches/main     # another series
+#   patches/apply-to-sdist.sh diffusers-0.42.1.tar.gz /tmp/diffusers-patched    # patches/fixes, patches/v0.42.1
+#   patches/apply-to-sdist.sh diffusers-0.40.0.tar.gz /tmp/diffusers-main patches/fixes patches/main
 #   pip install /tmp/diffusers-patched
 #
 # DEST_DIR must not exist or be empty. It becomes a git repository: one commit with the sdist as
@@ -18,24 +18,29 @@ die() {
     exit 1
 }
 
-[ $# -eq 2 ] || [ $# -eq 3 ] || die "usage: $0 SDIST_TARBALL DEST_DIR [SERIES_DIR]"
+[ $# -ge 2 ] || die "usage: $0 SDIST_TARBALL DEST_DIR [SERIES_DIR...]"
 sdist=$1
 dest=$2
+shift 2
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-series=${3:-$here/v0.42.1}
+[ $# -gt 0 ] || set -- "$here/fixes" "$here/v0.42.1"
 
 [ -f "$sdist" ] || die "no such file: $sdist"
-[ -d "$series" ] || die "no such series folder: $series"
-series=$(cd "$series" && pwd)
 command -v git >/dev/null || die "git is needed"
 if [ -e "$dest" ] && [ -n "$(ls -A "$dest")" ]; then
     die "$dest exists and is not empty"
 fi
 
-shopt -s nullglob
-patches=("$series"/[0-9][0-9][0-9][0-9]-*.patch)
-shopt -u nullglob
-[ ${#patches[@]} -gt 0 ] || die "no NNNN-*.patch files in $series"
+patches=()
+for series in "$@"; do
+    [ -d "$series" ] || die "no such series folder: $series"
+    series=$(cd "$series" && pwd)
+    shopt -s nullglob
+    found=("$series"/[0-9][0-9][0-9][0-9]-*.patch)
+    shopt -u nullglob
+    [ ${#found[@]} -gt 0 ] || die "no NNNN-*.patch files in $series"
+    patches+=("${found[@]}")
+done
 
 mkdir -p "$dest"
 # The sdist has a single top-level folder, diffusers-X.Y.Z/.
@@ -60,14 +65,14 @@ for patch in "${patches[@]}"; do
         [ -f "$dest/$file" ] || missing="$missing $file"
     done
     if [ -n "$missing" ]; then
-        echo "skipped $name: the sdist has no$missing"
+        echo "skipped $(basename "$(dirname "$patch")")/$name: the sdist has no$missing"
         continue
     fi
     if ! git_ am -q --whitespace=error-all "$patch"; then
         git_ am --abort >/dev/null 2>&1 || true
         die "$name does not apply to $(basename "$sdist")"
     fi
-    echo "applied $name"
+    echo "applied $(basename "$(dirname "$patch")")/$name"
     applied=$((applied + 1))
 done
 

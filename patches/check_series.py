@@ -2,26 +2,30 @@
 """Check the upstream patch series of this folder the way a diffusers maintainer would, without network.
 
 `make check-patches` runs it with `.venv-patch-tools` (diffusers' pinned `ruff` and `hf-doc-builder`) and the
-PyPI source distributions in `build/sdist`. For each series folder (`v0.42.1/`, `main/`):
+PyPI source distributions in `build/sdist`. Three series: `fixes/` (three bug fixes, for `main` and v0.42.1 alike),
+then the feature, `main/` (for upstream) or its backport `v0.42.1/`. For each base (`main` and `v0.42.1`):
 
-1. Every patch whose files the matching sdist has (or that only adds files) must apply with plain
-   `git am --whitespace=error-all` (no `-C`, no `-3`) onto that sdist as released. The sdists ship `src/` and, of
-   `tests/`, only `tests/testing_utils.py`. `main/` is checked against the 0.40.0 sdist: its
+1. `fixes/` then the base's feature series apply with plain `git am --whitespace=error-all` (no `-C`, no `-3`) onto
+   the sdist as released, each patch whose files the sdist has (or that only adds files). The sdists ship `src/`
+   and, of `tests/`, only `tests/testing_utils.py`. `main` is checked against the 0.40.0 sdist: its
    `src/diffusers/pipelines/pipeline_utils.py` is the fetched `main`'s byte for byte.
 2. The other patches (the pipeline tester mixins, the docs) are applied to a fixture made of their own pre-image
-   hunks (so: well-formed, no whitespace errors, the docs' new code blocks styled); they must be identical in both
-   series. With `--diffusers-repo` they are also applied to real trees (see below).
+   hunks (so: well-formed, no whitespace errors, the docs' new code blocks styled); their changes must be the same in
+   both feature series. With `--diffusers-repo` they are also applied to real trees (see below).
 3. `ruff check`, `ruff format --check` (the sdist's `pyproject.toml`) on the changed Python files;
    `doc-builder style --max_len 119 --check_only` on the changed files under `src/` (what `make quality` runs) and
    on the new Markdown, as `.mdx`, which `doc-builder` would otherwise skip.
-4. The feature patch changes fewer than 80 lines of `pipeline_utils.py`; the test patches don't patch
-   `torch.nn.Module.to`; the docs' examples use no private attribute; `PR.md` links diffusers#11872 and
-   accelerate#3695 and ticks no box without a link.
+4. The feature patch changes fewer than 80 lines of `pipeline_utils.py`; the fixes don't mention the feature; no
+   patch changes a deprecated pipeline; the test patches patch nothing (`mock.patch`, `monkeypatch`, assignments to
+   `.to`); the docs' examples use no private attribute; the backport is marked as one in every commit message and the
+   `main` series in none; `PR.md` links `ISSUE.md`, `PR-fixes.md`, diffusers#11872 and accelerate#3695, `ISSUE.md`
+   the last two and compares with Modular Diffusers' auto offload, and no text ticks a box without a link.
 
-`--diffusers-repo DIR` (a clone or the bare mirror of huggingface/diffusers that has commit 58eb52c, 2026-08-23)
-adds the full check: both series applied with plain `git am` to `main` and to `main` with the 0.42.1 sdist's files
-laid over it, `ruff` on every changed file, `doc-builder style` on `src/diffusers` and `docs/source`, and diffusers'
-own `utils/check_*.py` scripts that don't need to import diffusers, each compared with the unpatched tree.
+`--diffusers-repo DIR` (a clone or the bare mirror of huggingface/diffusers that has commit 58eb52c, 2026-08-23, the
+newest `main` fetched) adds the full check: the series applied with plain `git am` to `main` and to `main` with the
+0.42.1 sdist's files laid over it, `ruff` on every changed file, `doc-builder style` on `src/diffusers` and
+`docs/source`, and diffusers' own `utils/check_*.py` scripts that don't need to import diffusers, each compared with
+the unpatched tree.
 """
 
 import argparse
@@ -35,7 +39,10 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SERIES = {"v0.42.1": "0.42.1", "main": "0.40.0"}
+FIXES = "fixes"
+#: base -> (its feature series, the PyPI sdist it is checked against)
+BASES = {"main": ("main", "0.40.0"), "v0.42.1": ("v0.42.1", "0.42.1")}
+BACKPORT_MARK = "Backport to diffusers v0.42.1"
 MAIN_COMMIT = "58eb52c0803ea9af3abec60841c2a093bdf1f951"
 FEATURE_SUBJECT = "Add `exclude_from_offload` and `keep_on_device_during_generation`"
 FEATURE_FILE = "src/diffusers/pipelines/pipeline_utils.py"
@@ -101,9 +108,14 @@ class Patch:
         block = re.search(rf"^\+\+\+ b/{re.escape(file)}\n(.*?)(?=^diff --git|\Z)", self.text, re.M | re.S).group(1)
         return [line[1:] for line in block.split("\n") if line.startswith("+")]
 
-    def body(self):
-        """The patch without the lines that differ between two `git format-patch` runs of the same change."""
-        return "\n".join(line for line in self.text.split("\n")[1:] if not line.startswith(("Date:", "index ", "@@")))
+    def message(self):
+        """The commit message (subject and body)."""
+        return self.text.split("\n---\n", 1)[0]
+
+    def diff(self):
+        """The change without the lines that differ between two bases (blob hashes, line numbers)."""
+        text = self.text[self.text.index("\ndiff --git") : self.text.rindex("\n-- \n")]
+        return "\n".join(line for line in text.split("\n") if not line.startswith(("index ", "@@")))
 
 
 def numstat(patch, file):
@@ -192,22 +204,26 @@ def fixture_for(patches, dest):
     return dest
 
 
-def check_series(name, sdist_dir, work):
-    folder = HERE / name
-    patches = [Patch(p) for p in sorted(folder.glob("[0-9][0-9][0-9][0-9]-*.patch"))]
-    version = SERIES[name]
-    sdist = sdist_dir / f"diffusers-{version}.tar.gz"
-    print(f"\n{name}/ ({len(patches)} patches) against the PyPI sdist diffusers {version}")
-    if not report(bool(patches), f"{name}: has patches"):
-        return patches
-    tree = extract_sdist(sdist, work / name)
+def load(folder):
+    return [Patch(p) for p in sorted((HERE / folder).glob("[0-9][0-9][0-9][0-9]-*.patch"))]
+
+
+def check_base(base, sdist_dir, work):
+    """`fixes/` then the base's feature series onto the base's sdist, and the checks of one series."""
+    feature_folder, version = BASES[base]
+    fixes, feature = load(FIXES), load(feature_folder)
+    print(f"\n{FIXES}/ ({len(fixes)} patches) then {feature_folder}/ ({len(feature)}) onto the PyPI sdist {version}")
+    if not report(bool(fixes) and bool(feature), f"{base}: both series have patches"):
+        return feature
+    tree = extract_sdist(sdist_dir / f"diffusers-{version}.tar.gz", work / base)
     applied, deferred = [], []
-    for patch in patches:
+    for patch in fixes + feature:
+        label = f"{patch.path.parent.name}/{patch.path.name}"
         if all((tree / f).is_file() for f in patch.changed):
             result = git_am(tree, patch)
             report(
                 result.returncode == 0,
-                f"{name}: `git am` {patch.path.name}" + (f"\n{result.stderr}" if result.returncode else ""),
+                f"{base}: `git am` {label}" + (f"\n{result.stderr}" if result.returncode else ""),
             )
             if result.returncode == 0:
                 applied.append(patch)
@@ -215,53 +231,67 @@ def check_series(name, sdist_dir, work):
             deferred.append(patch)
     files = sorted({f for patch in applied for f in patch.files})
     ok, out = ruff(tree, files)
-    report(
-        ok,
-        f"{name}: ruff check + format --check on {len([f for f in files if f.endswith('.py')])} changed files"
-        + (f"\n{out}" if not ok else ""),
-    )
+    count = len([f for f in files if f.endswith(".py")])
+    report(ok, f"{base}: ruff check + format --check on {count} changed files" + (f"\n{out}" if not ok else ""))
     src = [f for f in files if f.startswith("src/")]
     ok, out = doc_builder(src, cwd=tree) if src else (True, "")
-    report(ok, f"{name}: doc-builder style --check_only on {src}" + (f"\n{out}" if not ok else ""))
+    report(ok, f"{base}: doc-builder style --check_only on {src}" + (f"\n{out}" if not ok else ""))
+    deprecated = [
+        f
+        for f in src
+        if "/deprecated/" in f or re.search(r"^class \w+\([^)]*DeprecatedPipelineMixin", (tree / f).read_text(), re.M)
+    ]
+    report(not deprecated, f"{base}: no deprecated pipeline changed" + (f": {deprecated}" if deprecated else ""))
 
     if deferred:
-        fixture = fixture_for(deferred, work / f"{name}-fixture")
+        fixture = fixture_for(deferred, work / f"{base}-fixture")
         for patch in deferred:
             result = git_am(fixture, patch)
+            missing = ", ".join(f for f in patch.changed if not (tree / f).is_file())
             report(
                 result.returncode == 0,
-                f"{name}: `git am` {patch.path.name} onto the fixture of its own pre-image (the sdist lacks {', '.join(f for f in patch.changed if not (tree / f).is_file())})"
+                f"{base}: `git am` {patch.path.name} onto the fixture of its own pre-image (the sdist lacks {missing})"
                 + (f"\n{result.stderr}" if result.returncode else ""),
             )
         md = sorted({f for patch in deferred for f in patch.files if f.endswith(".md")})
         ok, out = markdown_as_mdx(fixture, md)
         report(
             ok,
-            f"{name}: doc-builder style --check_only on the new Markdown of {md} (as .mdx)"
+            f"{base}: doc-builder style --check_only on the new Markdown of {md} (as .mdx)"
             + (f"\n{out}" if not ok else ""),
         )
 
-    feature = [p for p in patches if p.subject.startswith(FEATURE_SUBJECT)]
-    if report(len(feature) == 1, f"{name}: one feature patch ({FEATURE_SUBJECT}...)"):
-        added, removed = numstat(feature[0], FEATURE_FILE)
+    check_contents(base, fixes, feature)
+    return feature
+
+
+def check_contents(base, fixes, feature):
+    """What the patches may and may not contain."""
+    found = [p for p in feature if p.subject.startswith(FEATURE_SUBJECT)]
+    if report(len(found) == 1, f"{base}: one feature patch ({FEATURE_SUBJECT}...)"):
+        added, removed = numstat(found[0], FEATURE_FILE)
         report(
             added + removed < MAX_FEATURE_LINES,
-            f"{name}: the feature changes {added + removed} lines of {FEATURE_FILE} (+{added} -{removed}), fewer than {MAX_FEATURE_LINES}",
+            f"{base}: the feature changes {added + removed} lines of {FEATURE_FILE} (+{added} -{removed}), fewer than {MAX_FEATURE_LINES}",
         )
-    for patch in patches:
+    leaked = [p.path.name for p in fixes if "exclude_from_offload" in p.text or "keep_on_device" in p.text]
+    report(not leaked, f"{base}: the fixes don't depend on the feature" + (f": {leaked}" if leaked else ""))
+    marked = [BACKPORT_MARK in p.message() for p in feature]
+    report(
+        all(marked) if base == "v0.42.1" else not any(marked),
+        f"{base}: the backport marked as such in {'every' if base == 'v0.42.1' else 'no'} commit message",
+    )
+    for patch in fixes + feature:
         for file in patch.files:
             if file.startswith("tests/"):
-                patched_to = [
-                    line
+                patched = [
+                    line.strip()
                     for line in patch.added_lines(file)
-                    if re.search(
-                        r"(torch\.)?nn\.Module\.to\s*=|patch\.object\(\s*(torch\.)?nn\.Module\s*,\s*[\"']to[\"']", line
-                    )
+                    if re.search(r"mock\.patch|monkeypatch\.|patch\.object\(|\.to\s*=[^=]|setattr\(", line)
                 ]
                 report(
-                    not patched_to,
-                    f"{name}: {patch.path.name} {file} doesn't patch torch.nn.Module.to"
-                    + (f": {patched_to}" if patched_to else ""),
+                    not patched,
+                    f"{base}: {patch.path.name} {file} patches nothing" + (f": {patched}" if patched else ""),
                 )
             if file.endswith(".md"):
                 code, private = False, []
@@ -272,24 +302,30 @@ def check_series(name, sdist_dir, work):
                         private.append(line.strip())
                 report(
                     not private,
-                    f"{name}: the examples of {file} use public API only" + (f": {private}" if private else ""),
+                    f"{base}: the examples of {file} use public API only" + (f": {private}" if private else ""),
                 )
-    return patches
 
 
-def check_pr_text():
-    print("\nPR.md")
-    text = (HERE / "PR.md").read_text()
-    report("github.com/huggingface/diffusers/issues/11872" in text, "PR.md links diffusers#11872")
-    report("github.com/huggingface/accelerate/pull/3695" in text, "PR.md links accelerate#3695")
-    report("link the issue here" not in text.lower(), "PR.md has no placeholder link")
-    # a ticked box with its continuation lines
-    ticked = re.findall(r"^[ \t]*[-*] \[[xX]\].*(?:\n[ \t]+\S.*)*", text, re.M)
-    report(all("https://" in item for item in ticked), f"PR.md ticks no box without a link ({len(ticked)} ticked)")
+def check_texts():
+    print("\nPR.md, PR-fixes.md, ISSUE.md")
+    texts = {name: (HERE / name).read_text() for name in ("PR.md", "PR-fixes.md", "ISSUE.md")}
+    for name in ("PR.md", "ISSUE.md"):
+        report("github.com/huggingface/diffusers/issues/11872" in texts[name], f"{name} links diffusers#11872")
+        report("github.com/huggingface/accelerate/pull/3695" in texts[name], f"{name} links accelerate#3695")
+    report("ISSUE.md" in texts["PR.md"], "PR.md links the design issue (ISSUE.md)")
+    report("PR-fixes.md" in texts["PR.md"], "PR.md says the fixes come first (PR-fixes.md)")
+    report("enable_auto_cpu_offload" in texts["ISSUE.md"], "ISSUE.md compares with Modular Diffusers' auto offload")
+    for name, text in texts.items():
+        report("link the issue here" not in text.lower(), f"{name} has no placeholder link")
+        # a ticked box with its continuation lines
+        ticked = re.findall(r"^[ \t]*[-*] \[[xX]\].*(?:\n[ \t]+\S.*)*", text, re.M)
+        report(
+            all("https://" in item for item in ticked), f"{name} ticks no box without a link ({len(ticked)} ticked)"
+        )
 
 
 def full_check(repo, sdist_dir, work):
-    """Both series against real trees made from a diffusers repository."""
+    """The series against real trees made from a diffusers repository."""
     print(f"\nfull check against {repo} ({MAIN_COMMIT[:10]})")
     bases = {}
     git_dir = Path(repo) if (Path(repo) / "HEAD").is_file() else Path(repo) / ".git"
@@ -317,12 +353,12 @@ def full_check(repo, sdist_dir, work):
     for name, tree in bases.items():
         stock_status[name] = {c: run([sys.executable, f"utils/{c}"], cwd=tree).returncode for c in TEXT_CHECKS}
     for name, tree in bases.items():
-        patches = [Patch(p) for p in sorted((HERE / name).glob("[0-9][0-9][0-9][0-9]-*.patch"))]
+        patches = load(FIXES) + load(BASES[name][0])
         for patch in patches:
             result = git_am(tree, patch)
             report(
                 result.returncode == 0,
-                f"{name}: `git am` {patch.path.name} onto the {name} tree"
+                f"{name}: `git am` {patch.path.parent.name}/{patch.path.name} onto the {name} tree"
                 + (f"\n{result.stderr}" if result.returncode else ""),
             )
         files = sorted({f for patch in patches for f in patch.files})
@@ -351,20 +387,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sdist-dir", type=Path, default=Path("build/sdist"))
     parser.add_argument("--work", type=Path, default=Path("build/check-patches"))
-    parser.add_argument("--series", nargs="*", default=list(SERIES), help="series folders to check")
+    parser.add_argument("--bases", nargs="*", default=list(BASES), help="bases to check: main, v0.42.1")
     parser.add_argument("--diffusers-repo", help="a clone or bare mirror of huggingface/diffusers for the full check")
     args = parser.parse_args()
     args.work = args.work.resolve()
     args.sdist_dir = args.sdist_dir.resolve()
-    series = {name: check_series(name, args.sdist_dir, args.work) for name in args.series}
-    if len(series) == 2:
-        print("\nboth series")
-        a, b = series.values()
+    features = {base: check_base(base, args.sdist_dir, args.work) for base in args.bases}
+    if len(features) == 2:
+        print("\nboth feature series")
+        a, b = features.values()
+        report([p.subject for p in a] == [p.subject for p in b], "the same commits in main/ and v0.42.1/")
         for pa, pb in zip(a, b):
-            if not pa.files or not all(f.startswith(("tests/", "docs/")) for f in pa.files):
-                continue
-            report(pa.body() == pb.body(), f"{pa.path.name} is the same in both series")
-    check_pr_text()
+            if all(f.startswith(("tests/", "docs/")) for f in pa.files):
+                report(pa.diff() == pb.diff(), f"{pa.path.name}: the same change in both")
+    check_texts()
     if args.diffusers_repo:
         full_check(args.diffusers_repo, args.sdist_dir, args.work)
     print(f"\n{len(failures)} check(s) failed" if failures else "\nall checks passed")

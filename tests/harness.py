@@ -10,6 +10,24 @@ from reference import Reference
 from spy import CallRecorder, MoveSpy, calling, modules_of, nbytes
 
 
+@contextlib.contextmanager
+def diffusers_logs(caplog, level):
+    """`caplog` sees the log lines of diffusers' loggers, ours included (they are under `diffusers`, whose library
+    logger does not propagate to the root logger), at `level` and above."""
+    import logging
+
+    library = logging.getLogger("diffusers")
+    attached = caplog.handler in library.handlers  # recent pytest attaches it to non-propagating loggers itself
+    if not attached:
+        library.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(level, logger="diffusers"):
+            yield
+    finally:
+        if not attached:
+            library.removeHandler(caplog.handler)
+
+
 def reference_for(pipe, exclude=(), keep=()):
     sizes = {n: nbytes(m) for n, m in modules_of(pipe).items()}
     return Reference(

@@ -15,7 +15,9 @@ class _Component:
 
 
 class Reference:
-    """Stock's model offload as accelerate's chained `CpuOffload` hooks do it, plus the two options.
+    """Stock's model offload as accelerate's chained `CpuOffload` hooks do it, plus the two options: an excluded
+    component never leaves the device, and when it runs it still evicts its predecessor in the chain; a kept one is
+    not evicted before the end of the call.
 
     Args:
         sizes: bytes of every module component, in the pipeline's order.
@@ -36,14 +38,15 @@ class Reference:
     def enable(self, exclude=(), keep=()):
         """(Re-)enable offload with these options, from wherever the components are now."""
         self.exclude = set(exclude)
+        self.watching = True  # the excluded components have a hook too, which only evicts their predecessor
         previous = None
         chained = []
         for component in self.components.values():
             component.hooked, component.before = False, None
         for name in self.seq.split("->"):
-            if name in self.components and name not in self.exclude and name not in chained:
+            if name in self.components and name not in chained:
                 component = self.components[name]
-                component.hooked = True
+                component.hooked = name not in self.exclude
                 component.before = previous
                 previous = component
                 chained.append(name)
@@ -53,15 +56,17 @@ class Reference:
         for component in self.components.values():
             named = keep not in (False, None, True) and component.name in keep
             component.kept = component.hooked and (keep is True or named)
-        self.chained = set(chained)
+        self.chained = set(chained) - self.exclude
         self._arm()
 
     def remove_hooks(self):
         for component in self.components.values():
             component.hooked, component.before, component.kept = False, None, False
+        self.watching = False
 
     def hooked(self):
-        return {n for n, c in self.components.items() if c.hooked}
+        """Components with a hook: the offloaded ones, and the excluded ones."""
+        return {n for n, c in self.components.items() if c.hooked or (self.watching and n in self.exclude)}
 
     def _move(self, component, on):
         if component.on_device != on:
@@ -70,9 +75,11 @@ class Reference:
 
     def _arm(self):
         # Stock: everything to the host, then the class-excluded ones (not in the chain) to the device.
-        # Ours: what the user excluded stays on the device and is never moved again.
+        # Ours: what the user excluded stays on the device and is never moved again; with anything excluded, the
+        # class-excluded ones outside the chain stay too (only the hooks move components then).
+        held = self.exclude | (self.class_excluded - self.chained) if self.exclude else set()
         for component in self.components.values():
-            if component.name not in self.exclude:
+            if component.name not in held:
                 self._move(component, False)
         for component in self.components.values():
             if component.name in self.class_excluded and component.name not in self.chained | self.exclude:
@@ -83,10 +90,10 @@ class Reference:
 
     def use(self, name):
         component = self.components[name]
-        if not component.hooked:
+        if name not in self.hooked():
             return
         before = component.before
-        if before is not None and before.on_device and not before.kept:
+        if before is not None and before.on_device and not before.kept and before.name not in self.exclude:
             self._move(before, False)
         self._move(component, True)
 
@@ -97,7 +104,7 @@ class Reference:
             if index == fail_at:
                 break
             self.use(name)
-        if self.hooked():
+        if any(c.hooked for c in self.components.values()):
             self._arm()
         self.call_index = None
 

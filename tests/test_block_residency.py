@@ -184,12 +184,13 @@ def test_too_many_blocks_are_refused_before_any_work():
 
 def test_the_block_prefetch_schedule():
     """`blocks_ahead`, the "when" of streamed blocks: the next `depth` along the order they ran in; before the first
-    block runs and past the end of a forward only while another forward is expected (never on a first stream)."""
+    block runs only once the forwards are known (never on a first stream), and never past the end of a forward (a
+    step callback may edit the weights before the next one)."""
     order = ["b0", "b1", "b2", "b3"]
     assert blocks_ahead(order, None, 2) == []  # a first stream: nothing known ahead of the first block
     assert blocks_ahead(order, None, 2, passes=3) == ["b0", "b1"]
     assert blocks_ahead(order, "b1", 2) == ["b2", "b3"]
-    assert blocks_ahead(order, "b3", 2) == []  # the end of a forward that may be the last
-    assert blocks_ahead(order, "b3", 2, uses=1, passes=3) == ["b0", "b1"]  # into the next forward
-    assert blocks_ahead(order, "b2", 2, uses=3, passes=3) == ["b3"]  # the last forward: not past its end
+    assert blocks_ahead(order, "b2", 2, passes=3) == ["b3"]  # not past the end of the forward
+    assert blocks_ahead(order, "b3", 2, passes=3) == []  # the next forward comes after a callback may have run
+    assert blocks_ahead(order, "b0", 5, passes=3) == ["b1", "b2", "b3"]
     assert blocks_ahead(order, "b9", 2, passes=3) == []  # a block that did not run before

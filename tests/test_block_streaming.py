@@ -9,7 +9,7 @@ import contextlib
 import diffusers
 import pytest
 import torch
-from harness import max_abs_diff
+from harness import diffusers_logs, max_abs_diff
 from simulated_accelerator import SimulatedAccelerator
 
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: block streaming")
@@ -87,8 +87,7 @@ def test_a_transformer_larger_than_the_budget_streams_with_images_equal_to_no_of
     streamed = [r for r in stream_records(pipe) if r.call_index == 1 and r.block in blocks.streamed]
     copied = sum(r.nbytes for r in streamed if r.direction == "onload")
     steps = tiny.STEPS_RUN[NAME]
-    # Each step streams every streamed block once, and nothing more: the prefetch runs ahead into the next step only
-    # when one is expected (from the second call on, as many as the call before).
+    # Each step streams every streamed block once, and nothing more: the prefetch never runs past a step's end.
     assert copied == steps * blocks.bytes_per_pass
     first = sum(
         r.nbytes
@@ -148,13 +147,10 @@ def test_streamed_blocks_are_onloaded_before_and_released_after_they_run_within_
         assert where == "device" and name in held  # onloaded before it ran, still there at its end
         assert len(held) <= DEPTH + 1  # the ring
         position = order.index(name)
-        last_step = [n for n, _, _ in runs[: index + 1]].count(name) == tiny.STEPS_RUN[NAME]
-        ahead = {
-            order[(position + k) % len(order)]
-            for k in range(1, DEPTH + 1)
-            if not last_step or position + k < len(order)
-        }
-        assert ahead <= held  # the prefetch depth, along the recorded order (not past the last step's end)
+        ahead = set(order[position + 1 : position + 1 + DEPTH])
+        assert ahead <= held  # the prefetch depth, along the recorded order
+        if position + DEPTH >= len(order):  # never past the end of a forward: a step callback may edit the weights
+            assert held <= set(order[position:])
         released_after = [r for r in records[upto:] if r.block == name][:1]
         assert released_after and released_after[0].direction == "offload"  # released right after it ran
     # Nothing stays in the ring or on the device after the call.
@@ -272,7 +268,7 @@ def test_disarming_or_arming_again_puts_a_streaming_component_back_on_the_host()
 
 def test_a_budget_too_small_for_the_rest_and_the_ring_loads_it_alone_with_a_warning(caplog):
     pipe = deep_flux()
-    with SimulatedAccelerator(), caplog.at_level("WARNING", logger="diffusers_offload_ext"):
+    with SimulatedAccelerator(), diffusers_logs(caplog, "WARNING"):
         pipe.enable_model_cpu_offload(device="cpu", memory_budget=int(transformer_bytes(pipe) * 0.5))
         tiny.run(pipe, NAME)
     messages = [r.getMessage() for r in caplog.records if "cannot stream" in r.getMessage()]

@@ -10,7 +10,7 @@ page-locked host memory from a fake driver (`testing/page_locking.py`).
 
 import pytest
 import torch
-from harness import max_abs_diff
+from harness import diffusers_logs, max_abs_diff
 from simulated_accelerator import SimulatedAccelerator
 
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: prefetch and page-locking")
@@ -94,7 +94,7 @@ def test_a_prefetch_from_pageable_memory_loads_synchronously_and_says_so_once(ca
     modules = [torch.nn.Linear(64, 64) for _ in range(3)]
     with SimulatedAccelerator() as sim, fake_cuda() as cuda:
         transfer = make_transfer(sim.device, prefetch=True)  # no page-locked store: `pin_memory=False`
-        with caplog.at_level("WARNING", logger="diffusers_offload_ext"):
+        with diffusers_logs(caplog, "WARNING"):
             for module in modules:
                 transfer.prefetch(module, keep_host=True)
         assert not transfer.pending and all(sim.where(m) == "device" for m in modules)

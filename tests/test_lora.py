@@ -35,13 +35,11 @@ def test_load_lora_weights_keeps_options(installed, accelerator, detected_device
     pipe = tiny.build(name)
     session = Session(pipe, exclude=("unet",), keep=keep)
     before = session.call(lambda p: tiny.run(p, name, seed=0))
-    assert "unet" not in hooked_names(pipe)
 
     pipe.load_lora_weights(lora_state_dict(pipe.unet), adapter_name="tiny")
-    # Re-armed by diffusers with no argument: the unet is still excluded, the rest still offloaded.
-    assert "unet" not in hooked_names(pipe)
-    assert hooked_names(pipe) == set(modules_of(pipe)) - {"unet"}
-    assert pipe._exclude_from_cpu_offload == ["safety_checker", "unet"]
+    # Re-armed by diffusers with no argument (every component has its hook again, the excluded unet's only evicts):
+    # the unet is still excluded (it never moves in a call, below), the rest still offloaded.
+    assert hooked_names(pipe) == set(modules_of(pipe))
     after = session.call(lambda p: tiny.run(p, name, seed=0))
     assert max_abs_diff(after, before) > 1e-4, "the LoRA did not change the image"
     assert not any(n == "unet" and c is not None for n, _, _, c in session.seen_moves())

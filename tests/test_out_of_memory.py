@@ -9,11 +9,9 @@ needs about 0.6 MB of activations and its VAE decode 0.82 MB, at 32x32 about 0.2
 `zero_copy_eviction=False` where the capacity is about 1 MB: a fingerprint's scratch buffer (2 MiB, nothing on a real
 card) would not fit such a device."""
 
-import logging
-
 import pytest
 import torch
-from harness import max_abs_diff
+from harness import diffusers_logs, max_abs_diff
 from simulated_accelerator import SimulatedAccelerator
 
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: out-of-memory recovery")
@@ -130,7 +128,7 @@ def test_weights_that_fit_beside_activations_that_do_not_complete_as_no_offload_
         with pytest.raises(torch.OutOfMemoryError):
             call(stock)
     pipe = deep_flux()
-    with SimulatedAccelerator(capacity=CAPACITY) as sim, caplog.at_level(logging.WARNING):
+    with SimulatedAccelerator(capacity=CAPACITY) as sim, diffusers_logs(caplog, "WARNING"):
         pipe.enable_model_cpu_offload(
             device="cpu", memory_budget=ALL_WEIGHTS, keep_on_device_between_generations=True, **NO_COPY
         )
@@ -415,14 +413,14 @@ def test_a_forward_that_running_again_could_change_is_not_run_again(caplog):
         for why, setup in cases.items():
             setup()
             argument = torch.Generator() if "Generator" in why else x
-            with caplog.at_level(logging.WARNING), out_of_memory(pipe.transformer.linear):
+            with diffusers_logs(caplog, "WARNING"), out_of_memory(pipe.transformer.linear):
                 with pytest.raises(torch.OutOfMemoryError) as caught:
                     pipe.transformer(argument)
             assert not isinstance(caught.value, doe.OffloadOutOfMemoryError)
             assert why in caplog.text
             pipe.transformer.eval()
         pipe.transformer.linear = Doubling(pipe.transformer.linear)
-        with caplog.at_level(logging.WARNING), out_of_memory(pipe.transformer.linear.layer):
+        with diffusers_logs(caplog, "WARNING"), out_of_memory(pipe.transformer.linear.layer):
             with pytest.raises(torch.OutOfMemoryError):
                 pipe.transformer(torch.ones(toy.WIDTHS["transformer"], device="cpu:0"))
         assert "changed its input `0` in place" in caplog.text
@@ -440,7 +438,7 @@ def test_a_stateful_diffusers_hook_is_not_run_again(caplog):
     with SimulatedAccelerator():
         pipe.enable_model_cpu_offload(device="cpu", memory_budget=10_000)
         hooks.HookRegistry.check_if_exists_or_initialize(pipe.transformer.linear).register_hook(Cache(), "cache")
-        with caplog.at_level(logging.WARNING), out_of_memory(pipe.transformer.linear):
+        with diffusers_logs(caplog, "WARNING"), out_of_memory(pipe.transformer.linear):
             with pytest.raises(torch.OutOfMemoryError) as caught:
                 pipe.transformer()
     assert not isinstance(caught.value, doe.OffloadOutOfMemoryError)

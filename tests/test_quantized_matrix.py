@@ -67,7 +67,7 @@ class Messages(logging.Handler):
 @pytest.fixture
 def messages():
     handler = Messages()
-    logger = logging.getLogger("diffusers_offload_ext")
+    logger = logging.getLogger("diffusers.diffusers_offload_ext")  # where our loggers are (under diffusers)
     logger.addHandler(handler)
     try:
         yield handler.texts

@@ -9,7 +9,7 @@ import pytest
 import tiny_pipelines as tiny
 import torch
 from diffusers.utils.accelerate_utils import apply_forward_hook
-from harness import resident
+from harness import diffusers_logs, resident
 
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the residency manager is not in the upstream patch")
 
@@ -152,7 +152,7 @@ def test_keep_during_generation_means_nothing_under_the_manager_and_says_so(inst
     force, and means again what it means, once the manager is off."""
     trace = ["text_encoder", "text_encoder_2", "transformer", "vae", "transformer", "vae"]
     kept, plain = build(), build()
-    with caplog.at_level(logging.WARNING, logger="diffusers_offload_ext"):
+    with diffusers_logs(caplog, logging.WARNING):
         kept.enable_model_cpu_offload(device="cpu", keep_on_device_during_generation=True, **manager)
         kept.enable_model_cpu_offload(**manager)  # the same again: no second warning
     plain.enable_model_cpu_offload(device="cpu", **manager)
@@ -233,7 +233,7 @@ def test_larger_than_budget_runs_alone_with_one_warning(installed, caplog):
     def probe(index, name):
         seen.append((name, resident(pipe)))
 
-    with caplog.at_level(logging.WARNING, logger="diffusers_offload_ext"):
+    with diffusers_logs(caplog, logging.WARNING):
         for _ in range(3):
             pipe(["text_encoder", "transformer", "text_encoder", "vae", "transformer"], probe=probe)
     warnings = [r for r in caplog.records if "does not fit in the memory budget" in r.getMessage()]

@@ -35,8 +35,9 @@ def _ledger_tuples(records):
     return [(r.component, r.direction, r.nbytes, r.kind) for r in records]
 
 
-#: Roles of the components that have an offload hook (`doe.offload_status`).
-HOOKED_ROLES = ("chain", "outside chain", "kept")
+#: Roles of the components that have an offload hook (`doe.offload_status`); an excluded component's hook reports its
+#: use too (it evicts its chain predecessor).
+HOOKED_ROLES = ("chain", "outside chain", "kept", "excluded")
 
 
 @pytest.mark.parametrize(

@@ -82,13 +82,15 @@ def test_not_set_means_copies_outside_the_residency_manager(mode):
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_a_change_made_on_the_device_is_copied_back(mode):
     """A step callback edits, in place, the first weight of a component that is on the device at step 0 and evicted
-    later (the UNet; with the UNet excluded, the text encoder, which waits on the device for the VAE): that eviction
-    copies, and the host holds the edited weight."""
-    edited = "text_encoder" if mode == "exclude" else "unet"
+    later (the UNet; with the UNet excluded, the VAE, which a preview decode puts on the device: the text encoder
+    left when the excluded UNet started): that eviction copies, and the host holds the edited weight."""
+    edited = "vae" if mode == "exclude" else "unet"
     seen = []
 
     def edit(pipe, step, timestep, kwargs):
         if step == 0:
+            if edited == "vae":
+                tiny.preview_callback("sd15")(pipe, step, timestep, kwargs)
             weight = next(getattr(pipe, edited).parameters())
             seen.append(weight.device)
             with torch.no_grad():

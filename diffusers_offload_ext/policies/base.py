@@ -68,6 +68,7 @@ class Policy:
         order (`Tuple[str, ...]`): Every module component, in the pipeline's order (moves of one event follow it).
         calls (`CallTracker` or `None`): The call tracker the policy reads, if it reads one (the replay drives it).
         hooked (`FrozenSet[str]`): Components with an offload hook (the ones `on_use` is called for).
+        watched (`FrozenSet[str]`): Components that no hook offloads but whose use is reported to `on_use` too.
         stays (`FrozenSet[str]`): Components this policy never evicts (`exclude_from_offload`, and what else the
             policy keeps on the device for good); the runtime keeps no host copy of them.
     """
@@ -75,6 +76,7 @@ class Policy:
     order: Tuple[str, ...] = ()
     calls = None
     hooked: FrozenSet[str] = frozenset()
+    watched: FrozenSet[str] = frozenset()
     stays: FrozenSet[str] = frozenset()
 
     def on_enable(self, resident: AbstractSet[str], facts: Facts) -> Decision:

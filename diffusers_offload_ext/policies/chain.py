@@ -12,16 +12,24 @@ from .base import NOTHING, Decision, Facts, Policy
 
 class ChainPolicy(Policy):
     """Stock's chain: when a chained component runs, its predecessor in the chain is evicted; at the end of a call
-    everything goes back to the host. Excluded components stay on the device; kept ones are never evicted mid-call.
+    everything goes back to the host. Excluded components stay on the device, and an excluded component of
+    `model_cpu_offload_seq` still evicts its predecessor when it runs, where stock's would; kept ones are never
+    evicted mid-call.
 
     Args:
         order (`Sequence[str]`): Every module component, in the pipeline's order (end-of-call moves follow it).
         chain (`Sequence[str]`): The hooked components of `model_cpu_offload_seq`, in chain order.
         hooked (`Iterable[str]`): Every component that has an offload hook (the chain and those outside it).
         excluded (`Iterable[str]`, defaults to `()`): `exclude_from_offload`: on the device once, never moved again.
-        round_trip (`Iterable[str]`, defaults to `()`): The class's `_exclude_from_cpu_offload` components that the
-            user did not exclude: like stock, they go to the host and back up whenever offload is armed.
+        round_trip (`Iterable[str]`, defaults to `()`): The class's `_exclude_from_cpu_offload` components outside
+            the chain: no hook, on the device.
         kept (`Iterable[str]`, defaults to `()`): `keep_on_device_during_generation`: the chain never evicts them.
+        sequence (`Sequence[str]`, *optional*): The components of `model_cpu_offload_seq` that are present, excluded
+            ones included, in order: each one's predecessor in it is the one it evicts. Defaults to `chain`.
+
+    The excluded components are `watched`: the runtime reports their use, and one evicts its predecessor in
+    `sequence`. With components excluded, arming moves the class's exclusions (`round_trip`) only onto the device, as
+    the patched diffusers does (its hooks move the models); with none, down and up again, as stock's `pipe.to("cpu")`.
     """
 
     def __init__(
@@ -33,6 +41,7 @@ class ChainPolicy(Policy):
         excluded: Iterable[str] = (),
         round_trip: Iterable[str] = (),
         kept: Iterable[str] = (),
+        sequence: Optional[Sequence[str]] = None,
     ) -> None:
         self.order = tuple(order)
         self.chain = tuple(chain)
@@ -41,7 +50,9 @@ class ChainPolicy(Policy):
         self.round_trip = frozenset(round_trip)
         self.kept = frozenset(kept)
         self.stays = self.excluded
-        self.previous: Dict[str, str] = {later: earlier for earlier, later in zip(self.chain, self.chain[1:])}
+        self.watched = self.excluded
+        sequence = self.chain if sequence is None else tuple(sequence)
+        self.previous: Dict[str, str] = {later: earlier for earlier, later in zip(sequence, sequence[1:])}
 
     @classmethod
     def for_layout(
@@ -56,6 +67,7 @@ class ChainPolicy(Policy):
             kept = [n for n in (keep or ()) if n in arranged.hooked]
         return cls(
             order=layout.order,
+            sequence=tuple(n for n in dict.fromkeys(layout.sequence) if n in layout.order),
             chain=arranged.chain,
             hooked=arranged.hooked,
             excluded=arranged.excluded,
@@ -65,7 +77,7 @@ class ChainPolicy(Policy):
 
     def on_use(self, name: str, resident: AbstractSet[str], facts: Optional[Facts] = None) -> Decision:
         before = self.previous.get(name)
-        evict = before is not None and before in resident and before not in self.kept
+        evict = before in resident and before not in self.kept and before not in self.excluded
         if not evict and name in resident:
             return NOTHING
         moves = [(OFFLOAD, before)] if evict else []
@@ -79,7 +91,8 @@ class ChainPolicy(Policy):
         return NOTHING
 
     def on_enable(self, resident: AbstractSet[str], facts: Optional[Facts] = None) -> Decision:
-        moves = [(OFFLOAD, n) for n in self.order if n in resident and n not in self.excluded]
-        moves += [(ONLOAD, n) for n in self.order if n in self.round_trip]
+        held = (self.excluded | self.round_trip) if self.excluded else frozenset()
+        moves = [(OFFLOAD, n) for n in self.order if n in resident and n not in held]
+        moves += [(ONLOAD, n) for n in self.order if n in self.round_trip and (n not in resident or n not in held)]
         moves += [(ONLOAD, n) for n in self.order if n in self.excluded and n not in resident]
         return Decision.of(moves)

@@ -20,9 +20,10 @@ from .devices import resolve_device
 from .hook import attach, ours
 from .options import OffloadOptions, resolve_options
 from .placement import Sizes
-from .session import Session, expect, session_of
+from .measuring import expect
+from .session import Session, session_of
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 
 class Arming(NamedTuple):
@@ -147,7 +148,7 @@ def policy_for(session: Session, arming: Arming) -> Tuple[Policy, Optional[Any]]
         keep = True if options.keep_all else options.keep
         return ChainPolicy.for_layout(layout, excluded=arrangement.excluded, keep=keep), None
     capacity = memory.capacity(arming.device, arming.reserve)
-    kind = PrefetchPolicy if options.prefetch and session.transfer.asynchronous else ResidencyPolicy
+    kind = PrefetchPolicy if options.prefetches and session.transfer.asynchronous else ResidencyPolicy
     policy = kind(
         order=layout.order,
         chain=arrangement.chain,

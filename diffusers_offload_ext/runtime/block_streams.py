@@ -15,7 +15,7 @@ from ..transfer.ring import aligned_nbytes, streamable
 from ..transfer.streaming import BlockStreamer
 from ..units import format_size
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 
 class BlockStatus(NamedTuple):
@@ -100,20 +100,23 @@ class BlockStreams:
 
     Args:
         record (`Callable`): The pipeline's move recorder (`Recorder.record`), told of every block move.
+        calls (`CallTracker`): The pipeline's calls: what a stream learns in a call is used by the next calls only
+            once the call ended without failing (`end_call`); a failed call leaves the previous plan in force.
     """
 
-    def __init__(self, record: Callable) -> None:
-        self.record = record
+    def __init__(self, record: Callable, calls) -> None:
+        self.record, self.calls = record, calls
         self.active: Dict[str, BlockStreamer] = {}
         self.choices: Dict[str, BlockChoice] = {}
         self.learned: Dict[str, tuple] = {}  # name -> (block order, block uses) of its last stream
+        self.this_call: Dict[str, tuple] = {}  # the same, learned in the call in progress
         self.said: Set[str] = set()  # components whose streaming (or failure to) was logged
 
     def start(self, name: str, module, room: int, transfer, check: bool) -> Tuple[Optional[BlockChoice], str]:
         """Start streaming component `name` (`module`) within `room` bytes through `transfer` (`check`: fingerprint
         its kept blocks); `(choice, "")`, or `(None, why not)` with nothing changed. Its blocks are weighed by the uses
         they had the last time it streamed."""
-        order, uses = self.learned.get(name, (None, {}))
+        order, uses = self.this_call.get(name) or self.learned.get(name, (None, {}))
         choice, blocks, why = block_choice(module, room, uses)
         if choice is None:
             return None, why
@@ -185,10 +188,18 @@ class BlockStreams:
         for streamer in self.active.values():
             streamer.settle()
 
+    def end_call(self, failed: bool) -> None:
+        """The call in progress ended: what its streams learned is the plan of the next calls, unless it `failed` (a
+        partial pass: blocks that did not run would weigh nothing)."""
+        if not failed:
+            self.learned.update(self.this_call)
+        self.this_call.clear()
+
     def _learn(self, name: str, streamer: BlockStreamer) -> None:
         self.choices.pop(name, None)
         if any(streamer.uses.values()):
-            self.learned[name] = (tuple(streamer.runs), dict(streamer.uses))
+            learned = self.this_call if self.calls.in_call else self.learned
+            learned[name] = (tuple(streamer.runs), dict(streamer.uses))
 
     def status(self, name: str) -> Optional[BlockStatus]:
         streamer, choice = self.active.get(name), self.choices.get(name)

@@ -16,7 +16,7 @@ from .options import OffloadOptions
 
 BUDGET, RESERVE, EXCLUDE = "memory_budget", "memory_reserve", "exclude_from_offload"
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 
 #: The automatic budget is rounded down to this, so that small changes of free memory do not change the plan.

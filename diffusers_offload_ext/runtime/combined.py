@@ -9,12 +9,13 @@ chains in the order they run.
 
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional, Sequence, Tuple
 
 from diffusers import DiffusionPipeline
 
 from ..layout import PipelineLayout, modules_of, split_sequence
-from ..marks import STOCK, get_session
+from ..marks import COMBINED_ATTR, STOCK, get_session
 
 
 def is_combined(pipe) -> bool:
@@ -55,10 +56,12 @@ def layout_of(pipe, class_excluded: Optional[Sequence[str]] = None) -> PipelineL
 
 def quiet_sub_pipelines(pipe) -> None:
     """Before a combined pipeline is armed whole: its sub-pipelines hold no hooks of their own any more (their
-    end-of-call offload would otherwise arm them again over the shared modules)."""
+    end-of-call offload would otherwise arm them again over the shared modules), and each points to it, so that a
+    call of a sub-pipeline, on its own or from the combined pipeline's call, is a call of its session."""
     if not is_combined(pipe):
         return
     for _, sub in sub_pipelines(pipe):
+        sub.__dict__[COMBINED_ATTR] = weakref.ref(pipe)
         STOCK["remove_all_hooks"](sub)
         session = get_session(sub)
         if session is not None:

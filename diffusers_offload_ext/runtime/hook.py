@@ -103,16 +103,20 @@ def ours(module: torch.nn.Module):
 
 
 def attach(pipe, session) -> Dict[str, DeferredCpuOffload]:
-    """One hook on every component `session` hooks, the chain's handles linked in chain order; `pipe._all_hooks`
+    """One hook on every component `session` hooks, the chain's handles linked in chain order, and on the components
+    its policy watches (excluded ones: their use is reported, nothing offloads them; no handle); `pipe._all_hooks`
     holds the handles, as stock's does. Returns the hooks by component."""
     handles, hooks, previous = [], {}, None
     chain = session.arrangement.chain
-    for name in session.arrangement.hooked:
+    watched = session.policy.watched  # the policy hears when these run (an excluded one evicts); none offloads them
+    for name in session.arrangement.hooked + tuple(n for n in session.layout.order if n in watched):
         module = session.modules[name]
         hook = DeferredCpuOffload(session, name, session.device, prev_module_hook=previous if name in chain else None)
         add_hook_to_module(module, hook, append=True)
         recovery.guard(module)  # an out-of-memory error in its forward: room made, run again (`recovery.py`)
         hooks[name] = hook
+        if name in watched:
+            continue
         handle = OffloadHandle(module, hook)
         handles.append(handle)
         if name in chain:

@@ -12,7 +12,7 @@ from ..marks import ADAPTED, MARK
 from .methods import METHODS, guard_call
 from .overrides import adapt, own_override
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 _NOTHING = object()
 

@@ -13,14 +13,14 @@ from diffusers.utils import logging
 
 from ..calls import StepBar
 from ..layout import modules_of
-from ..marks import MARK, STOCK, get_session
+from ..marks import MARK, STOCK, combined_of, get_session
 from .activations import call_shape
 from .arming import arm, arm_again, before_call, validate
 from .hook import detach
 from .options import docstring, signature, take
 from .session import unpin
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 
 def enable_model_cpu_offload(
@@ -186,11 +186,11 @@ def guard_call(call):
 
     @functools.wraps(call)
     def guarded(self, *args, **kwargs):
-        session = get_session(self)
+        pipe, session = _armed_for(self)
         if session is None:
             return call(self, *args, **kwargs)
-        if session.active and not session.calls.in_call and _components_changed(self, session):
-            self.enable_model_cpu_offload()
+        if session.active and not session.calls.in_call and _components_changed(pipe, session):
+            pipe.enable_model_cpu_offload()
         before_call(session, call_shape(args, kwargs))
         session.begin_call()
         failed = True
@@ -203,12 +203,25 @@ def guard_call(call):
                 if session.active and session.calls.depth == 1 and not session.calls.ended:
                     # A pipeline that raised, or ended without `maybe_free_model_hooks()` (a combined pipeline armed
                     # whole: its sub-pipelines' own end-of-call offload has no hooks to re-arm).
-                    _end_of_call(self, session, failed)
+                    _end_of_call(pipe, session, failed)
             finally:
                 session.leave_call(failed)
 
     setattr(guarded, MARK, call)
     return guarded
+
+
+def _armed_for(pipe):
+    """`(pipeline, session)` that a call of `pipe` belongs to: its own, or, for a sub-pipeline of a combined pipeline
+    armed whole (called on its own, or from the combined pipeline's call), the combined pipeline's, so that its call
+    ends as stock's sub-pipeline call does (its own end of call) or nests in the combined call."""
+    session = get_session(pipe)
+    if session is None or not session.active:
+        whole = combined_of(pipe)
+        whole_session = get_session(whole) if whole is not None else None
+        if whole_session is not None and whole_session.active:
+            return whole, whole_session
+    return pipe, session
 
 
 def _components_changed(pipe, session) -> bool:

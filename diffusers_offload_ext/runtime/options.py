@@ -59,9 +59,9 @@ OPTIONS: Tuple[Option, ...] = (
         "exclude_from_offload", NAMES, "`str` or `List[str]`", "`None`", check.excluded_names, check.present_names,
         field="exclude_from_offload",
         values="a component name or a list of them",
-        summary="Moved to the execution device once, never offloaded; out of the `model_cpu_offload_seq` chain.",
-        doc="""Components moved to the execution device once and never offloaded (no hook, not moved at the end of a
-            call). They are removed from the `model_cpu_offload_seq` chain.""",
+        summary="Moved to the execution device once, never offloaded; one of the chain still evicts its predecessor.",
+        doc="""Components moved to the execution device once and never offloaded (not moved at the end of a call).
+            One of the `model_cpu_offload_seq` chain still evicts its predecessor when it runs, as stock's would.""",
     ),
     Option(
         "keep_on_device_during_generation", Union[bool, str, Iterable[str], None], "`bool`, `str` or `List[str]`",
@@ -142,8 +142,9 @@ OPTIONS: Tuple[Option, ...] = (
         "CUDA copy stream.",
         doc="""With the residency manager: while a component runs, start the onload of the one the previous call ran
             next, on a CUDA copy stream, when the budget has room for both (counted from that moment); the compute
-            stream waits for it before that component runs. Elsewhere onloads stay as they are. Opt-in until
-            measured on a GPU.""",
+            stream waits for it before that component runs. Elsewhere onloads stay as they are. While the manager
+            is off it has no effect and stays set: it acts again when the manager is on. Opt-in until measured on a
+            GPU.""",
     ),
 )  # fmt: skip
 #: The option names, in the signature's order.
@@ -164,7 +165,8 @@ class OffloadOptions:
         keep_between (`bool`, defaults to `False`): `keep_on_device_between_generations`.
         zero_copy (`bool`, *optional*): `zero_copy_eviction`; `None` (not set): on with the residency manager only.
         pin_memory (`bool` or `"auto"`, defaults to `False`): `pin_memory`.
-        prefetch (`bool`, defaults to `False`): `prefetch`.
+        prefetch (`bool`, defaults to `False`): `prefetch`; set while the manager is off, it acts again when the
+            manager is on (`prefetches`).
     """
 
     exclude_from_offload: Tuple[str, ...] = ()
@@ -187,6 +189,12 @@ class OffloadOptions:
         """Whether an eviction of an unchanged component only drops its device copy: with `zero_copy_eviction=True` in
         every mode; when it was never set, with the residency manager only."""
         return self.residency if self.zero_copy is None else self.zero_copy
+
+    @property
+    def prefetches(self) -> bool:
+        """Whether `prefetch` acts: it is set and the residency manager is on (it stays set while the manager is
+        off)."""
+        return self.prefetch and self.residency
 
     @property
     def keeps_nothing(self) -> bool:

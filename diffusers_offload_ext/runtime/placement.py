@@ -16,7 +16,7 @@ from ..transfer.streaming import intact
 from . import sharing
 from .block_streams import BlockStreams, stream_room
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 
 class Sizes(Mapping):
@@ -43,6 +43,7 @@ class Placement:
 
     Args:
         record (`Callable`): The pipeline's move recorder (`Recorder.record`), for the moves of streamed blocks.
+        calls (`CallTracker`): The pipeline's calls (what a stream learned in a failed call is not used).
 
     Attributes:
         modules (`Dict[str, torch.nn.Module]`): The armed components, in the pipeline's order.
@@ -54,12 +55,12 @@ class Placement:
             measured when armed and again when the component's size changes; absent: it cannot stream).
     """
 
-    def __init__(self, record: Callable) -> None:
+    def __init__(self, record: Callable, calls) -> None:
         self.modules: Dict[str, torch.nn.Module] = {}
         self.entries: Dict = {}
         self.resident: Set[str] = set()
         self.readable = False
-        self.streams = BlockStreams(record)
+        self.streams = BlockStreams(record, calls)
         self.stream_rooms: Dict[str, int] = {}
         self._rooms_at: Dict[str, int] = {}  # each component's bytes when its stream room was measured
         self._names: Dict[int, str] = {}

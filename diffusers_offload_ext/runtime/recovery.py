@@ -28,9 +28,9 @@ from ..units import format_size
 from . import sharing
 from .activations import describe
 from .block_streams import stream_room
-from .session import held_bytes, make_room as carry_out_rung, recovered as learn
+from .measuring import held_bytes, make_room as carry_out_rung, recovered as learn
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 #: Methods that run a component and call its hook themselves (diffusers' `apply_forward_hook`: a VAE's).
 GUARDED = ("encode", "decode")
@@ -191,7 +191,7 @@ def rung(session, name: str, smallest: Optional[int]) -> Decision:
 
 
 def make_room(session, name: str, decision: Decision, smallest: Optional[int]) -> Tuple[str, Optional[int]]:
-    """Carry out `decision` (`session.make_room`); returns what it did, in words, and the least room `name` was
+    """Carry out `decision` (`measuring.make_room`); returns what it did, in words, and the least room `name` was
     streamed in so far."""
     before = held_bytes(session)
     carry_out_rung(session, decision)

@@ -10,18 +10,19 @@ import torch
 from diffusers.utils import logging
 
 from ..calls import CallTracker
-from ..constants import OFFLOAD, ONLOAD, OUT_OF_MEMORY, PREFETCH, STREAM
+from ..constants import OFFLOAD, ONLOAD, PREFETCH, STREAM
 from ..ledger import Recorder
 from ..marks import SESSION_ATTR, get_session
 from ..policies import NOTHING, Decision, Facts, Policy
-from ..transfer import COPY_STREAMS, Transfer, make_transfer, memory, pinned
+from ..transfer import COPY_STREAMS, Transfer, make_transfer, pinned
 from . import sharing
 from .activations import Activations
 from .exclusion import Exclusion
+from .measuring import held_bytes
 from .options import OffloadOptions
 from .placement import Placement, Sizes
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 
 class Session:
@@ -43,7 +44,7 @@ class Session:
         self.arming = None
         self.transfer: Optional[Transfer] = None
         self.policy: Optional[Policy] = None
-        self.placement = Placement(self.recorder.record)
+        self.placement = Placement(self.recorder.record, self.calls)
         self.facts = Facts(Sizes(self.placement, None), stream_rooms=self.placement.stream_rooms)
         self.hooks: Dict[str, object] = {}
         self.exclusion = Exclusion()
@@ -112,6 +113,8 @@ class Session:
         entry = placement.entries[name]
         dirty = entry.dirty  # a recheck reads its size again
         if placement.drifted(name, self.transfer):
+            if dirty and name in placement.streams.active:
+                self.move(name, OFFLOAD)  # its structure changed: it streams again, from its blocks as they are now
             placement.recheck(name, self.transfer)
         if name not in placement.resident and not dirty:
             # About to be loaded, every tensor walked: its size is read again first (a tensor set to `None` or
@@ -169,13 +172,15 @@ class Session:
 
     def end_of_call(self, failed: bool) -> None:
         """The end of the call in progress, once per call (`maybe_free_model_hooks()`, or the call guard when the call
-        returned or raised without it): its trace joins the history unless it `failed`, streams stop (what stays is
-        chosen among whole components), the policy's end-of-call moves are made (none where nothing is hooked)."""
+        returned or raised without it): streams stop (what stays is chosen among whole components), the policy's
+        end-of-call moves are made (none where nothing is hooked); unless it `failed`, its trace joins the history
+        and what its streams learned (block order and uses) is kept."""
         self.calls.end_trace(failed)
         self.activations.end(self.device, failed)
         if self.hooks:
             self.stop_streams()
             self.carry_out(self.policy.on_call_end(self.resident, self.facts))
+        self.streams.end_call(failed)
 
     def rearm(self) -> None:
         """Offload armed again, not at a call's end (an enable; `maybe_free_model_hooks()` outside a call or after its
@@ -220,61 +225,33 @@ class Session:
 
         def carry() -> Tuple[int, str]:
             with torch.profiler.record_function(f"diffusers_offload_ext::{direction}::{name}"):
-                if direction == ONLOAD:
-                    pinning = self.transfer.pinning is not None
-                    keep_host = (self.options.drops or pinning) and name not in self.policy.stays
-                    onload = self.transfer.prefetch if ahead else self.transfer.onload
-                    moved = onload(module, keep_host=keep_host, check=self.options.drops)
-                else:
-                    moved = self.transfer.offload(module)
+                moved = _transferred(self, name, direction, ahead)
             self.placement.placed(module, direction == ONLOAD)
             return moved.nbytes, PREFETCH if ahead else moved.kind
 
-        record = self.recorder.record(name, direction, module, carry)
+        booker = _booker(self, module)
+        record = booker.recorder.record(booker.name_of(module) or name, direction, module, carry)
         logger.debug(f"{direction} `{name}` ({record.nbytes} bytes, {record.kind})")
         if direction == ONLOAD:
             _make_room(module, self)
 
 
-def expect(session: Session, shape) -> None:
-    """The next pipeline call of `session` has `shape` (`activations.call_shape`): its budget is chosen for it, and
-    what it needs beyond the weights is measured from now on where the device tells."""
-    if not session.calls.in_call:
-        session.activations.expect(shape)
-        if session.active:
-            session.activations.begin(session.device, held_bytes(session))
+def _transferred(session: Session, name: str, direction: str, ahead: bool):
+    """Component `name` moved through `session`'s transfer; an onload keeps its host copy where an eviction may drop
+    it (or page-locked host memory is kept), unless the component never leaves the device."""
+    module, transfer = session.modules[name], session.transfer
+    if direction != ONLOAD:
+        return transfer.offload(module)
+    keep_host = (session.options.drops or transfer.pinning is not None) and name not in session.policy.stays
+    onload = transfer.prefetch if ahead else transfer.onload
+    return onload(module, keep_host=keep_host, check=session.options.drops)
 
 
-def held_bytes(session: Session) -> int:
-    """Bytes of `session`'s weights on the device (of a streaming component, its kept blocks and ring)."""
-    choices, sizes = session.streams.choices, session.facts.sizes
-    return sum(choices[n].device_bytes if n in choices else sizes[n] for n in session.resident)
-
-
-def make_room(session: Session, decision: Decision) -> None:
-    """Carry out a rung of an out-of-memory recovery (`recovery.py`), each move recorded with cause
-    `"out-of-memory"` (a move that runs out of memory itself ends the rung), then give what it freed back."""
-    session.activations.close(session.device)
-    with session.recorder.caused(OUT_OF_MEMORY):
-        session.streams.settle()
-        try:
-            session.carry_out(decision)
-        except torch.OutOfMemoryError:
-            logger.debug("A rung of an out-of-memory recovery ran out of device memory itself.")
-    memory.release_cached(session.device)
-    session.activations.open(session.device, held_bytes(session))
-
-
-def recovered(session: Session, name: str, failed_held: int) -> None:
-    """Component `name` ran again after an out-of-memory error (with `failed_held` bytes of weights on the device
-    when it failed) and completed: what the device holds now fitted beside its activations. The call shape learns it,
-    and the residency manager allows no more while `name` runs, from now on (the explicit `memory_budget` stays the
-    cap)."""
-    held = held_bytes(session)
-    allowed = getattr(session.policy, "allowed", lambda _: None)(name)
-    session.activations.recovered(name, held, within=allowed is None or failed_held <= allowed)
-    if hasattr(session.policy, "limit_while"):
-        session.policy.limit_while(name, held)
+def _booker(session: Session, module: torch.nn.Module) -> Session:
+    """The session whose ledger records a move of `module` that `session` makes: that of the innermost pipeline call
+    running that holds it (its call made the move, even where another pipeline's budget chose it), else `session`."""
+    holder = sharing.running_holder(module) if sharing.running else None
+    return session if holder is None else holder
 
 
 def _make_room(module: torch.nn.Module, loader: Session) -> None:
@@ -292,7 +269,7 @@ def _transfer_for(session: Session, arming) -> Transfer:
         for name in sorted(session.resident & set(session.modules)):
             session.move(name, OFFLOAD)
         transfer = None
-    overlaps = arming.options.prefetch and arming.device.type in COPY_STREAMS
+    overlaps = arming.options.prefetches and arming.device.type in COPY_STREAMS
     if transfer is None or transfer.asynchronous != overlaps:
         transfer = make_transfer(arming.device, prefetch=overlaps)
     transfer.pinning = pinned.store_for(arming.device) if arming.options.pin_memory is not False else None

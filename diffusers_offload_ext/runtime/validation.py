@@ -160,10 +160,11 @@ def all_or_present_names(option, previous, value: Any, components: Mapping[str, 
 
 def with_residency(option, previous, value: Any, components, fields: dict) -> dict:
     """An option that needs the residency manager (merged after `memory_budget` and
-    `keep_on_device_between_generations`): kept only while the manager is on; `True` without it is refused."""
+    `keep_on_device_between_generations`): `True` without the manager is refused; set before, it stays set while
+    the manager is switched off (without effect then) and acts again when it is on (`OffloadOptions.prefetches`)."""
     residency = fields["memory_budget"] is not None or fields["keep_between"]
     if value is KEEP:
-        return {option.field: getattr(previous, option.field) and residency}
+        return {option.field: getattr(previous, option.field)}
     if value and not residency:
         raise ValueError(
             f"`{option.name}=True` needs the residency manager, which predicts the next component from the previous "

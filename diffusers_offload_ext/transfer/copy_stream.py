@@ -26,7 +26,7 @@ from .book import BOOK, Book
 from .ring import CudaCopier
 from .synchronous import SyncTransfer
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 
 class CopyStreamTransfer(SyncTransfer):

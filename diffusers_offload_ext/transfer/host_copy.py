@@ -7,8 +7,9 @@ unchanged component only puts them back (`restore`). A change made while the com
 be lost, so `unchanged` checks, in order of cost:
 
 1. structure: the same sub-modules, parameter and buffer names (LoRA layers added or removed change it);
-2. identity: the same `Parameter` objects and buffer tensors, with the same data pointers (a replaced tensor, for
-   example `weight.data = fused`, changes it), and no gradient;
+2. identity: the same `Parameter` objects and buffer tensors, with the same data pointers, shapes, dtypes and strides
+   (a replaced tensor, for example `weight.data = fused`, changes it, and so does a reshape through `.data` that
+   keeps the pointer: `p.data = p.data.view(4, 6)`), and no gradient;
 3. version counters: any in-place operation on the parameter or buffer itself (`p.mul_(2)`, `copy_`,
    `load_state_dict`) bumps `t._version` (inference tensors, made under `torch.inference_mode()`, have none: for
    them only the content check below sees an edit);
@@ -17,7 +18,9 @@ be lost, so `unchanged` checks, in order of cost:
    the onload and again before the eviction.
 
 When any check fails, or a tensor cannot be fingerprinted (a tensor subclass, a quantized or sparse tensor), the
-eviction copies the device tensors back, as stock does.
+eviction copies the device tensors back, as stock does. So it does when some tensor was not on the host when the
+copy was made (a part of the component the user had moved to the device): the copy holds host tensors only, read
+from the tensors themselves, so that such a part goes home at the eviction, as stock's `.to("cpu")` sends it.
 """
 
 from __future__ import annotations
@@ -68,21 +71,22 @@ class HostCopy:
             (weakref.ref(sub), is_param, key, t, t.data if is_param else t)
             for sub, is_param, key, t in slots(module, self.only)
         ]
+        #: Every tensor was on the host (or `meta`): else only a copy sends the rest home, and nothing is dropped.
+        self.complete = all(at_home(host) for _, _, _, _, host in self.host)
         self.signature: Optional[list] = None
         self.content: Optional[list] = None
         self.check = check  # False: every eviction writes back (`zero_copy_eviction=False` with page-locked copies)
 
     def seal(self, module: torch.nn.Module) -> None:
         """Record what the component looks like on the device, right after the onload."""
-        if not self.check:
+        if not self.check or not self.complete:
             return
         found = list(slots(module, self.only))
         self.content = self._content(found)
         if self.content is None:
             return  # something it cannot read: the eviction will copy
         self.signature = [
-            (weakref.ref(sub), is_param, key, weakref.ref(t), t.data_ptr(), version_of(t))
-            for sub, is_param, key, t in found
+            (weakref.ref(sub), is_param, key, weakref.ref(t)) + _layout(t) for sub, is_param, key, t in found
         ]
 
     @staticmethod
@@ -103,10 +107,10 @@ class HostCopy:
         found = list(slots(module, self.only))
         if len(found) != len(self.signature):
             return False
-        for (sub, is_param, key, t), (sub0, is_param0, key0, ref0, ptr0, version0) in zip(found, self.signature):
+        for (sub, is_param, key, t), (sub0, is_param0, key0, ref0, *layout0) in zip(found, self.signature):
             if sub is not sub0() or is_param != is_param0 or key != key0:
                 return False
-            if t is not ref0() or t.data_ptr() != ptr0 or version_of(t) != version0:
+            if t is not ref0() or _layout(t) != tuple(layout0):
                 return False
             if is_param and t.grad is not None:
                 return False
@@ -118,9 +122,10 @@ class HostCopy:
     def write_back(self, module: torch.nn.Module) -> bool:
         """Copy the device tensors into the host tensors, in place, and put those back (an eviction that copies but
         keeps the host memory, page-locked as it is). False, with nothing changed, where the structure, a shape or a
-        dtype changed on the device, or a host tensor is an inference tensor: then a fresh host copy holds them."""
+        dtype changed on the device, a host tensor is an inference tensor, or some tensor was not on the host when
+        the copy was made: then a fresh host copy holds them."""
         found = list(slots(module, self.only))
-        if len(found) != len(self.host):
+        if len(found) != len(self.host) or not self.complete:
             return False
         pairs = []
         for (sub, is_param, key, t), (sub_ref, is_param0, key0, _, host) in zip(found, self.host):
@@ -158,3 +163,15 @@ class HostCopy:
         for _, _, _, _, host in self.host:
             seen[id(host)] = host.numel() * host.element_size()
         return sum(seen.values())
+
+
+def at_home(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is host memory (or `meta`, which holds no data): where a host copy may hold it."""
+    device = tensor.device
+    return device.type == "meta" or (device.type == "cpu" and device.index is None)
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    """What an eviction without a copy must find unchanged besides the tensor's identity: its data pointer, version
+    counter, shape, dtype and stride."""
+    return tensor.data_ptr(), version_of(tensor), tuple(tensor.shape), tensor.dtype, tensor.stride()

@@ -9,7 +9,7 @@ import torch
 
 from ..constants import COPY, DROP, OFFLOAD, ONLOAD
 from .base import HOST
-from .block_swap import move_slots
+from .streamed_block import move_slots
 from .host_copy import HostCopy
 from .quant_state import carry, restore_state
 

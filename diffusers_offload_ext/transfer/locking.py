@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 from diffusers.utils import logging
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 #: The driver's library, by platform.
 DRIVER = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"

@@ -21,7 +21,7 @@ from diffusers.utils import logging
 
 from .locking import Locker
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 

@@ -29,7 +29,7 @@ from diffusers.utils import logging
 from .locking import Locker, cuda_locker
 from .page_ranges import PageRanges, pointer_of
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 HOST = torch.device("cpu")
 #: Of the host's memory (the smaller of physical memory and the cgroup limit), the share page-locked memory may take.

@@ -1,13 +1,19 @@
 """`BlockStreamer`: runs one component larger than the room the budget leaves it. Its kept blocks go to the device
-for as long as it streams; every other block is copied into a ring buffer just before it runs (prefetched `depth` ahead
-in the order blocks ran) and released right after, host tensors put back (`quant_state` too: `quant_state.py`).
+for as long as it streams; every other block is copied into a ring buffer just before it runs (prefetched `depth`
+blocks ahead along the order the blocks ran in, never past the end of the component's forward) and released right
+after, its host tensors put back (`quant_state` too: `quant_state.py`).
 
 Streamed blocks live on the device only during their own forward. A change made to one there (an in-place update of a
-parameter or buffer, a replaced tensor) is seen at release from the tensors' identity, data pointer and version
-counter and copied back into the host tensors; edits through `.data`, which bump no counter, are seen for the kept
-blocks (fingerprints, as for whole components: `HostCopy`) but not for streamed blocks, which no code outside their
-forward can reach while they are on the device. Forward hooks are registered with `always_call`, so a block that
-raises still releases its buffer; `settle` releases whatever a failed call left.
+parameter or buffer, a replaced tensor, a new shape, dtype or stride) is seen at release from the tensors' identity,
+data pointer, version counter and layout and copied back into the host tensors; edits through `.data`, which bump no
+counter, are seen for the kept blocks (fingerprints, as for whole components: `HostCopy`) but not for streamed
+blocks, which no code outside their forward can reach while they are on the device. Between forwards (a step
+callback) a streamed block is its host tensors: whatever is there when it is copied, a `Parameter` or its data
+replaced included, is what runs and what is put back (`StreamedBlock.refresh`); nothing is copied ahead across the
+end of a forward, and a copy stream is drained there, so no copy reads host memory that code between forwards may
+write.
+Forward hooks are registered with `always_call`, so a block that raises still releases its buffer; `settle` releases
+whatever a failed call left.
 """
 
 from __future__ import annotations
@@ -18,10 +24,10 @@ import torch
 
 from ..constants import COPY, DROP, OFFLOAD, ONLOAD, PREFETCH
 from .base import HOST
-from .block_swap import StreamedBlock, device_of
 from .inference import has_inference_parameters, streams_ordinary_tensors
 from .kept_blocks import KeptBlocks
 from .ring import Copier, Ring
+from .streamed_block import StreamedBlock, device_of
 
 #: `(block, direction, nbytes, kind)`: told of every block move.
 Emit = Callable[[str, str, int, str], None]
@@ -41,8 +47,8 @@ class BlockStreamer:
             given); the prefetch follows it, and learns the real order from the first pass.
         check (`bool`, defaults to `True`): Fingerprint the kept blocks (False: their eviction always copies back).
         passes (`int`, *optional*): How many forwards the component is expected to run (as many as last time).
-        schedule (`Callable`): Which blocks to prefetch, `(order, running block or None, depth, its uses, passes) ->
-            blocks` (`policies.blocks_ahead`: the "when" is a policy's).
+        schedule (`Callable`): Which blocks to prefetch, `(order, running block or None, depth, passes) -> blocks`
+            (`policies.blocks_ahead`: the "when" is a policy's).
     """
 
     def __init__(
@@ -63,9 +69,7 @@ class BlockStreamer:
         self.component, self.device, self.copier, self.emit, self.check = component, device, copier, emit, check
         self.depth = max(plan.slots - 1, 1)
         self.kept = [b for b in blocks if b.name in set(plan.kept)]
-        self.streamed: Dict[str, StreamedBlock] = {
-            b.name: StreamedBlock(b) for b in blocks if b.name not in set(plan.kept)
-        }
+        self.streamed = {b.name: StreamedBlock(b) for b in blocks if b.name not in set(plan.kept)}
         known = [n for n in (order or ()) if n in self.streamed]
         #: The streamed blocks in the order they run (the prefetch follows it): last time's, else module order.
         self.runs = known or list(self.streamed)
@@ -96,15 +100,15 @@ class BlockStreamer:
         self.keeper.load()
         self.ring = Ring(self.device, self.slot_bytes, self.slots)
         self._holder, self._tokens, self._freed = [None] * self.slots, [None] * self.slots, [None] * self.slots
+        self._handles = [self.component.register_forward_hook(lambda *_: _drain(self.copier), always_call=True)]
         for name, block in self.streamed.items():
+            _refresh(self, block)  # a tensor found on the device goes home
             pre = block.module.register_forward_pre_hook(lambda module, args, name=name: self.enter(name))
             post = block.module.register_forward_hook(lambda m, a, out, name=name: self.leave(name), always_call=True)
             self._handles += [pre, post]
         for block in self.kept:  # counted too, so that the next plan weighs every block by its uses
-            self._handles.append(
-                block.module.register_forward_pre_hook(lambda m, a, name=block.name: self._count(name))
-            )
-        for name in self.schedule(self.runs, None, self.depth, 0, self.passes):  # cross while the rest runs
+            self._handles += [block.module.register_forward_pre_hook(lambda m, a, name=block.name: self._count(name))]
+        for name in self.schedule(self.runs, None, self.depth, self.passes):  # cross while the rest runs
             self._load(name, ahead=True)
 
     def settle(self) -> None:
@@ -199,7 +203,7 @@ class BlockStreamer:
             self.seen.append(name)
 
     def _prefetch(self, name: str) -> None:
-        upcoming = self.schedule(self.runs, name, self.depth, self.uses[name], self.passes)
+        upcoming = self.schedule(self.runs, name, self.depth, self.passes)
         for wanted in dict.fromkeys(upcoming):
             if wanted == name or self.streamed[wanted].slot is not None:
                 continue
@@ -220,6 +224,7 @@ class BlockStreamer:
 
     def _load(self, name: str, ahead: bool, keep: Sequence[str] = ()) -> int:
         block = self.streamed[name]
+        _refresh(self, block)
         slot = self._free_slot(keep)
         if slot is None:
             raise RuntimeError(f"every ring buffer holds a running block; `{name}` cannot be streamed")
@@ -236,6 +241,21 @@ class BlockStreamer:
         self._holder[slot], block.slot, block.views = None, None, []
         self._tokens[slot] = None  # a copy never waited on: the next copy into this buffer follows it on its stream
         self.emit(name, OFFLOAD, block.nbytes, DROP)
+
+
+def _refresh(streamer: BlockStreamer, block: StreamedBlock) -> None:
+    """`block`'s slots read again (`StreamedBlock.refresh`); a tensor found on the device went home: in the ledger."""
+    homed = block.refresh()
+    if homed:
+        streamer.emit(block.name, OFFLOAD, homed, COPY)
+
+
+@torch.compiler.disable
+def _drain(copier: Copier) -> None:
+    """The end of a component's forward: code that may write the host tensors runs next (a step callback), so no copy
+    may still be reading them."""
+    if copier.asynchronous:
+        copier.drain()
 
 
 def intact(streamer: BlockStreamer) -> bool:

@@ -9,7 +9,7 @@ from diffusers.utils import logging
 
 from .records import REPLAYED, TraceRecord
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 
 class Recorder:

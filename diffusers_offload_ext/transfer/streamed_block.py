@@ -1,5 +1,7 @@
-"""`StreamedBlock`: one streamed block's weights, swapped between its host tensors and its ring buffer (its
-quantization state with them), and the check at release of whether its forward changed them."""
+"""`StreamedBlock`: one block of a streaming component that passes through the ring: its parameter and buffer slots,
+their host tensors (read again from the slots before each copy), its place in the ring, and the swaps that point its
+tensors at a ring buffer and back (bitsandbytes' quantization state with them: `quant_state.py`), writing a change
+made there into the host tensors (`streaming.py` runs them)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import List, Optional
 import torch
 
 from .base import HOST
+from .host_copy import at_home
 from .inference import version_of
 from .quant_state import place_state, restore_state, state_of
 
@@ -20,12 +23,36 @@ class StreamedBlock:
         tables = [(sub._parameters if is_param else sub._buffers, key) for sub, is_param, key in self.slots]
         self.tables = tables
         self.originals = [table[key] for table, key in tables]
-        self.hosts = [t.data if isinstance(t, torch.nn.Parameter) else t for t in self.originals]
+        self.hosts = [_data(t) for t in self.originals]
         self.states = state_of(self.slots)
         self.views: List[torch.Tensor] = []
         self.marks: List[int] = []
         self.slot: Optional[int] = None
         self.running = False
+
+    def refresh(self) -> int:
+        """Read the block's slots again before it is copied: a `Parameter`, a buffer or a parameter's data replaced
+        since it was last put back (`p.data = new`, a new `Parameter`, in a step callback) is what streams from now on
+        and what is put back; a tensor found on the device is moved home first (its host tensor is the one copied).
+        Returns the bytes moved home."""
+        homed = 0
+        for i, (table, key) in enumerate(self.tables):
+            now, host = table.get(key), self.hosts[i]
+            if now is None or (now is self.originals[i] and _layout(now) == _layout(host) and at_home(host)):
+                continue
+            data = _data(now)
+            if not at_home(data):
+                with torch.no_grad():
+                    data = data.to(HOST)
+                homed += data.numel() * data.element_size()
+            if isinstance(now, torch.nn.Parameter):
+                now.data = data
+            else:
+                table[key] = now = data
+            self.originals[i], self.hosts[i] = now, data
+            self.nbytes = sum(t.numel() * t.element_size() for t in {id(h): h for h in self.hosts}.values())
+            self.states = state_of(self.slots)
+        return homed
 
     def swap_in(self, device: torch.device) -> None:
         for (table, key), original, view in zip(self.tables, self.originals, self.views):
@@ -41,7 +68,7 @@ class StreamedBlock:
         for (table, key), original, view, mark in zip(self.tables, self.originals, self.views, self.marks):
             now = table.get(key)
             expected = original if isinstance(original, torch.nn.Parameter) else view
-            if now is not expected or now.data_ptr() != view.data_ptr():
+            if now is not expected or _layout(now) != _layout(view):
                 return True
             if mark is None or version_of(now) != mark:  # no counter to read: taken as changed (written back)
                 return True
@@ -53,7 +80,7 @@ class StreamedBlock:
                 now = table.get(key)
                 if write_back and now is not None:
                     host = self.hosts[i]
-                    if now.shape == host.shape and now.dtype == host.dtype and not host.is_inference():
+                    if _layout(now)[1:] == _layout(host)[1:] and not host.is_inference():
                         self.hosts[i].copy_(now.data)
                     else:
                         # A new shape (it no longer fits the ring: refused at load) or an inference tensor: a fresh copy.
@@ -84,3 +111,13 @@ def move_slots(slots, device: torch.device, non_blocking: bool = False) -> None:
                 table[key].data = table[key].data.to(device, non_blocking=non_blocking)
             else:
                 table[key] = table[key].to(device, non_blocking=non_blocking)
+
+
+def _data(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter's data, or the buffer itself."""
+    return tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    """What a streamed tensor must keep for its copy to stand for it: data pointer, shape, dtype and stride."""
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, tensor.stride()
