@@ -117,6 +117,35 @@ def test_what_is_learnt_is_per_shape_and_component_and_bounded():
     assert len(learnt.status()) == MAX_SHAPES
 
 
+def test_only_the_calls_that_teach_are_measured(monkeypatch):
+    """Measuring resets the allocator's peak at each component: the first call of a shape is measured until one
+    completes, then no call of it, until an out-of-memory error in a call that was not measured."""
+    resets = []
+    monkeypatch.setattr(memory, "peak_bytes", lambda device: 900)
+    monkeypatch.setattr(memory, "allocated_bytes", lambda device: 100)
+    monkeypatch.setattr(memory, "reset_peak", lambda device: resets.append(device))
+    learnt, device = Activations(), torch.device("cuda", 0)
+
+    def call(fails=False, recovers=False):
+        learnt.begin(device, held=100)
+        measured = learnt.measuring
+        learnt.open(device, 100, "vae")
+        if recovers:
+            learnt.recovered("vae", held=100, within=True)
+        learnt.end(device, failed=fails)
+        return measured
+
+    learnt.expect((("height", 64),))
+    assert [call(fails=True), call(), call(), call()] == [True, True, False, False]
+    assert learnt.status()[0].activations == {"vae": 800}
+    assert [call(recovers=True), call(), call()] == [False, True, False]
+    learnt.expect((("height", 32),))  # a new shape teaches; its error, measured, teaches no more calls
+    assert [call(recovers=True), call()] == [True, False]
+    count = len(resets)
+    call()
+    assert len(resets) == count  # a call not measured leaves the peak alone
+
+
 class FakeCuda:
     """What `transfer/memory.py` calls of `torch.cuda`, recorded."""
 

@@ -79,13 +79,14 @@ class LearntShape(NamedTuple):
 
 
 class _Learnt:
-    __slots__ = ("activations", "misses", "fitted", "recoveries")
+    __slots__ = ("activations", "misses", "fitted", "recoveries", "teach")
 
     def __init__(self) -> None:
         self.activations: Dict[str, int] = {}
         self.misses: Dict[str, int] = {}
         self.fitted: Dict[str, int] = {}
         self.recoveries = 0
+        self.teach = True  # the next call of this shape is measured
 
     def reserves(self) -> Dict[str, int]:
         return {n: reserve_for(a, self.misses.get(n, 0)) for n, a in self.activations.items()}
@@ -97,7 +98,9 @@ class Activations:
 
     A call is measured in segments, one per component use (to the next use, or the call's end): at a segment's end
     the allocator's peak since its start, minus the pipeline's weights on the device during it and what the process
-    held there before the call, is what that component needed (with the pipeline code that followed it).
+    held there before the call, is what that component needed (with the pipeline code that followed it). Measuring
+    resets the allocator's peak at every segment, so only the calls that teach are measured: the first of a shape
+    until one completes, and the next after an out-of-memory error in a call that was not measured.
     """
 
     def __init__(self) -> None:
@@ -139,7 +142,9 @@ class Activations:
     def begin(self, device: torch.device, held: int) -> None:
         """A call starts with `held` bytes of the pipeline's weights on `device`: measure it where the peak can be
         read."""
-        self.measuring = device is not None and memory.peak_bytes(device) is not None
+        entry = self.shapes.get(self.shape)
+        teaches = entry is None or entry.teach
+        self.measuring = teaches and device is not None and memory.peak_bytes(device) is not None
         self._running, self._seen = None, {}
         if self.measuring:
             self._base = max((memory.allocated_bytes(device) or 0) - held, 0)
@@ -170,6 +175,7 @@ class Activations:
             entry = self._entry(make=True)
             for name, need in self._seen.items():
                 entry.activations[name] = max(entry.activations.get(name, 0), need)
+            entry.teach = False
             self.version += 1
 
     def recovered(self, name: str, held: int, within: bool) -> None:
@@ -180,6 +186,7 @@ class Activations:
         self.version += 1
         entry.recoveries += 1
         entry.fitted[name] = min(entry.fitted.get(name, held), held)
+        entry.teach = entry.teach or not self.measuring  # a call not measured ran out: the next one is
         if within and name in entry.activations:
             entry.misses[name] = min(entry.misses.get(name, 0) + 1, MAX_MISSES)
 
