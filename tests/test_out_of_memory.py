@@ -271,6 +271,26 @@ def test_an_out_of_memory_error_while_a_component_is_loaded_puts_back_what_it_mo
     assert any(r.component == "text_encoder" and r.direction == "offload" for r in forced(pipe))
 
 
+def test_an_out_of_memory_error_as_a_call_begins_ends_that_call(reference):
+    """The call's first moves (an excluded component put back on the device) run out of memory, outside any
+    component's forward: the error propagates, and that call is over, so the next one is a call of its own."""
+    pipe = deep_flux()
+    with SimulatedAccelerator(capacity=CAPACITY) as sim:
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=ALL_WEIGHTS, exclude_from_offload=["vae"], **NO_COPY)
+        pipe.vae.to("cpu")  # moved off the device by hand: a call puts it back first
+        sim.capacity = 10_000
+        with pytest.raises(torch.OutOfMemoryError):
+            call(pipe, 32)
+        clean(pipe, sim)
+        sim.capacity = CAPACITY
+        image = call(pipe, 32)
+        clean(pipe, sim)
+    assert max_abs_diff(image, reference[32]) == 0.0
+    records = doe.transfer_ledger(pipe).records
+    assert {r.call_index for r in records if r.component == "transformer"} == {1}  # not nested in the failed call
+    assert sim.where(pipe.transformer) == "host"  # and it had its end-of-call offload
+
+
 def inside(pipe, target, blocks):
     """A module that runs inside `target`'s forward (below every hook)."""
     if target == "vae":

@@ -192,9 +192,9 @@ def guard_call(call):
         if session.active and not session.calls.in_call and _components_changed(pipe, session):
             pipe.enable_model_cpu_offload()
         before_call(session, call_shape(args, kwargs))
-        session.begin_call()
         failed = True
         try:
+            session.begin_call()  # its moves may run out of device memory: the call then ends as a failed one
             result = call(self, *args, **kwargs)
             failed = False
             return result
