@@ -403,6 +403,36 @@ def test_a_stream_that_runs_out_of_memory_as_it_starts_leaves_its_blocks_on_the_
     assert sum(r.nbytes for r in onloads) == sum(r.nbytes for r in offloads)  # every block loaded went back
 
 
+def test_a_rung_whose_stream_cannot_start_says_so_and_the_retry_loads_the_component_whole(
+    reference, monkeypatch, caplog
+):
+    """The transformer runs out of memory whole, twice: the second rung streams it, and the ring's allocation runs
+    out of memory. Nothing streams then, the recovery's line says so, and the retry runs it whole on the device."""
+    from diffusers_offload_ext.transfer import streaming
+
+    real, failures = streaming.Ring, []
+
+    def ring(*args, **kwargs):
+        if not failures:
+            failures.append("ring")
+            raise torch.OutOfMemoryError("injected: out of memory at the ring")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(streaming, "Ring", ring)
+    pipe = deep_flux()
+    with SimulatedAccelerator(capacity=8 << 20) as sim, diffusers_logs(caplog, "WARNING"):
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=ALL_WEIGHTS, keep_on_device_between_generations=True)
+        places = []
+        pipe.transformer.x_embedder.register_forward_pre_hook(lambda *_: places.append(sim.where(pipe.transformer)))
+        with out_of_memory(pipe.transformer.x_embedder, times=2):
+            image = call(pipe, 32)
+        clean(pipe, sim)
+    assert failures == ["ring"] and max_abs_diff(image, reference[32]) == 0.0
+    assert set(places) == {"device"}  # whole on the device every time it ran
+    (line,) = [r.getMessage() for r in caplog.records if "ran again: it completed" in r.getMessage()]
+    assert "could not stream `transformer`" in line and "streamed `transformer`" not in line, line
+
+
 class Doubling(torch.nn.Module):
     """Changes its input in place before its layer runs: a forward that must not run again after failing."""
 

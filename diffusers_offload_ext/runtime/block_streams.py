@@ -115,7 +115,7 @@ class BlockStreams:
     def start(self, name: str, module, room: int, transfer, check: bool) -> Tuple[Optional[BlockChoice], str]:
         """Start streaming component `name` (`module`) within `room` bytes through `transfer` (`check`: fingerprint
         its kept blocks); `(choice, "")`, or `(None, why not)` with nothing changed. Its blocks are weighed by the uses
-        they had the last time it streamed."""
+        they had the last time it streamed. A start that raises (out of device memory) leaves it not streaming."""
         order, uses = self.this_call.get(name) or self.learned.get(name, (None, {}))
         choice, blocks, why = block_choice(module, room, uses)
         if choice is None:
@@ -139,7 +139,11 @@ class BlockStreams:
             schedule=blocks_ahead,
         )
         self.active[name], self.choices[name] = streamer, choice
-        streamer.start()
+        try:
+            streamer.start()
+        except BaseException:  # the device ran out of memory: the streamer undid its start, nothing streams
+            del self.active[name], self.choices[name]
+            raise
         transfer.record(module, True)
         return choice, ""
 
