@@ -61,21 +61,39 @@ def components(pipe):
 
 
 class WeightsWatch:
-    """After every module's forward: the bytes of the pipeline's weights on the simulated device (each storage once:
-    a streamed block's ring buffer included) never exceed `budget`."""
+    """After every module's forward: the bytes of the pipeline's weights on the simulated device never exceed
+    `budget`: each storage of a tensor found there once, but a streaming component's streamed blocks counted as its
+    ring (`BlockStatus.ring_bytes`: their tensors point into it only while they run, and it holds the prefetched
+    ones)."""
 
     def __init__(self, pipe, sim, budget):
         self.pipe, self.sim, self.budget, self.most, self.checks = pipe, sim, budget, 0, 0
         self.handles = [m.register_forward_hook(self.check) for c in components(pipe).values() for m in c.modules()]
+        self.last_move, self.streaming = (), (0, set())
+
+    def rings(self):
+        """`(ring bytes, ids of the streamed blocks' tensors)`, read again after each move in the ledger."""
+        records = doe.transfer_ledger(self.pipe).records
+        last_move = (len(records), records[-1] if records else None)
+        if last_move != self.last_move:
+            rings, streamed = 0, set()
+            for name, component in doe.offload_status(self.pipe).components.items():
+                if component.blocks is not None:
+                    rings += component.blocks.ring_bytes
+                    blocks = [getattr(self.pipe, name).get_submodule(b) for b in component.blocks.streamed]
+                    streamed |= {id(t) for b in blocks for t in list(b.parameters()) + list(b.buffers())}
+            self.last_move, self.streaming = last_move, (rings, streamed)
+        return self.streaming
 
     def check(self, *_):
         seen = {}
+        rings, streamed = self.rings()
         for module in components(self.pipe).values():
             for t in list(module.parameters()) + list(module.buffers()):
-                if self.sim.is_on_device(t):
+                if self.sim.is_on_device(t) and id(t) not in streamed:
                     storage = t.untyped_storage()
                     seen[storage.data_ptr()] = storage.nbytes()
-        self.most, self.checks = max(self.most, sum(seen.values())), self.checks + 1
+        self.most, self.checks = max(self.most, sum(seen.values()) + rings), self.checks + 1
         assert self.most <= self.budget, (self.most, self.budget)
 
     def remove(self):
