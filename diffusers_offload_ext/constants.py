@@ -18,6 +18,10 @@ KINDS = (COPY, DROP, PREFETCH)
 #: (the most used stay on the device, the others pass through a ring of device buffers); see `blocks.py`.
 STREAM = "stream"
 
+#: The cause of a move an out-of-memory recovery forced (`TransferRecord.cause`): evictions that made room, a component
+#: restarted to stream its blocks in less room.
+OUT_OF_MEMORY = "out-of-memory"
+
 #: In a recorded trace, the end of a pipeline call (`maybe_free_model_hooks()`).
 END = "<end of call>"
 

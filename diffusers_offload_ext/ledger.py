@@ -3,6 +3,7 @@ pipeline's session and read by `doe.transfer_ledger`, the trace and its reports.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable, Iterator, List, Optional, Tuple
 
@@ -54,6 +55,8 @@ class TransferRecord(CopiedBytes):
         step (`int` or `None`): Denoising step the move happened in, `None` outside the denoising loop.
         block (`str` or `None`): For a component that streams (larger than the room the budget left it), the block
             that moved (`"transformer_blocks.3"`, `"<rest>"`); `None` for a move of the whole component.
+        cause (`str` or `None`): `"out-of-memory"` for a move an out-of-memory recovery forced (the evictions that
+            made room, a component restarted to stream in less room); `None` for a move the policy chose.
     """
 
     component: str
@@ -63,6 +66,7 @@ class TransferRecord(CopiedBytes):
     kind: str = "copy"
     step: Optional[int] = None
     block: Optional[str] = None
+    cause: Optional[str] = None
 
 
 #: Calls whose records a ledger holds by default (`TransferLedger.keep_calls`); its summary covers every call.
@@ -186,6 +190,16 @@ class Recorder:
         self.calls = calls
         self.ledger = TransferLedger()
         self.observers: List[Callable] = []
+        self.cause: Optional[str] = None
+
+    @contextlib.contextmanager
+    def caused(self, cause: str):
+        """Every move recorded inside is marked with `cause` (`TransferRecord.cause`)."""
+        previous, self.cause = self.cause, cause
+        try:
+            yield
+        finally:
+            self.cause = previous
 
     def record(
         self, name: str, direction: str, module, move: Callable[[], Tuple[int, str]], block: Optional[str] = None
@@ -194,7 +208,7 @@ class Recorder:
         and give it to the observers."""
         finishers = [observer(name, direction, module) for observer in self.observers]
         nbytes, kind = move()
-        record = TransferRecord(name, direction, nbytes, self.calls.index, kind, self.calls.step, block)
+        record = TransferRecord(name, direction, nbytes, self.calls.index, kind, self.calls.step, block, self.cause)
         self.ledger.append(record)
         for finish in finishers:
             finish(record)

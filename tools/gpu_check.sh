@@ -59,7 +59,8 @@ for section in pagelock pools bandwidth mapped fingerprint; do
     part "probe-$section" 60 "$PYTHON" "$ROOT/benchmarks/gpu_probes.py" "$section" --out "$RESULTS/probes.jsonl"
 done
 part probe-tiny 120 "$PYTHON" "$ROOT/benchmarks/gpu_probes.py" tiny --out "$RESULTS/probes.jsonl"
-part cuda-tests 150 "$PYTHON" -m pytest -p no:cacheprovider -q -s -rs "$ROOT/tests/test_block_streaming_cuda.py"
+part cuda-tests 150 "$PYTHON" -m pytest -p no:cacheprovider -q -s -rs "$ROOT/tests/test_block_streaming_cuda.py" \
+    "$ROOT/tests/test_out_of_memory_cuda.py"
 part realscale 100000 "$PYTHON" "$ROOT/benchmarks/realscale.py" --scale "$SCALE" --model flux-dev --only "$ROWS" \
     --steps "$STEPS" --calls "$CALLS" --json-out "$RESULTS/realscale.json" --write "$RESULTS/realscale.md"
 exit 0

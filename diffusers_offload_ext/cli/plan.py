@@ -23,7 +23,13 @@ def add_parser(commands, common) -> None:
     p.add_argument(
         "--reserve",
         default=DEFAULT_RESERVE,
-        help=f"memory kept free for activations when checking what fits (default: {DEFAULT_RESERVE})",
+        help="memory kept free for activations when checking what fits, ASSUMED when --activations is not given "
+        f"(default: {DEFAULT_RESERVE}, the runtime's memory_reserve for a call shape it has not seen)",
+    )
+    p.add_argument(
+        "--activations",
+        help="the activations of the call when known (e.g. 6GiB: `doe.offload_status(pipe).learnt` reports them "
+        "after a call on the card): the reserve is then them and a margin, as the runtime learns it",
     )
     p.add_argument("--steps", default="28", help=f"denoising steps per generation, 1 to {MAX_STEPS:,} (default: 28)")
     p.add_argument(
@@ -97,6 +103,7 @@ def run(args) -> int:
         preview=args.preview,
         pinned_bandwidth=args.pinned_bandwidth,
         step_seconds=args.step_seconds,
+        activations=args.activations,
         **bandwidths(args),
     )
     check_request(**request)  # bad numbers are reported before a missing --model
@@ -134,6 +141,10 @@ def render(result: dict, columns: int) -> List[str]:
         f"{title} ({result['pipeline']}): {result['steps']} steps x {result['generations']} generations, {preview}. "
         f"Card {output.gib(result['vram_bytes'])} GiB, {output.gib(result['reserve_bytes'])} GiB kept free for "
         f"activations. {ABOUT_SIZES}",
+        columns,
+    )
+    lines += output.wrap(
+        f"Activations {result['activations']['note']}.",
         columns,
     )
     lines += output.heading("Components (exact sizes from the shipped model data; no weights read):", columns)

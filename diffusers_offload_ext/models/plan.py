@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Dict, List, NamedTuple, Optional, Sequence, Union
 
+from ..policies.reserve import reserve_for
 from ..units import format_size
 from .block_compare import block_residency
 from .block_model import BlockPlans
@@ -41,6 +42,8 @@ class Request(NamedTuple):
     d2h_rate: int
     pinned_rate: int
     step_seconds: Optional[float]
+    activations: Optional[int] = None
+    first_reserve: Optional[int] = None
 
 
 def check_request(
@@ -54,17 +57,23 @@ def check_request(
     d2h_bandwidth,
     pinned_bandwidth=DEFAULT_PINNED_BANDWIDTH,
     step_seconds=None,
+    activations=None,
 ) -> Request:
     """Every argument parsed and bounded, before any work (`PlanError` names the first bad one; a reserve that leaves
-    nothing of the card for weights is one)."""
+    nothing of the card for weights is one). With `activations` (a known size), the reserve is what the runtime
+    leaves for them once it has seen a call of that shape (`policies.reserve.reserve_for`: them and a margin)."""
     vram_bytes = parse_bytes(vram, argument="--vram")
-    reserve_bytes = parse_bytes(reserve, argument="--reserve", allow_zero=True)
+    reserve_bytes = first = parse_bytes(reserve, argument="--reserve", allow_zero=True)
+    known = None if activations is None else parse_bytes(activations, argument="--activations")
+    if known is not None:
+        reserve_bytes = reserve_for(known)
+    argument = "--reserve" if known is None else "--activations"
     if reserve_bytes >= vram_bytes:
         raise PlanError(
-            f"--reserve {format_size(reserve_bytes)} leaves nothing of the card's --vram {format_size(vram_bytes)} for "
-            "weights: nothing fits. Lower --reserve (activations of a 1024x1024 image take a few GiB) or give the "
-            "card's real memory with --vram.",
-            "--reserve",
+            f"{argument} {format_size(reserve_bytes)}{' with its margin' if known else ''} leaves nothing of the "
+            f"card's --vram {format_size(vram_bytes)} for weights: nothing fits. Lower {argument} (activations of a "
+            "1024x1024 image take a few GiB) or give the card's real memory with --vram.",
+            argument,
         )
     return Request(
         vram=vram_bytes,
@@ -76,6 +85,8 @@ def check_request(
         d2h_rate=parse_rate(d2h_bandwidth, argument="--d2h-bandwidth"),
         pinned_rate=parse_rate(pinned_bandwidth, argument="--pinned-bandwidth"),
         step_seconds=parse_seconds(step_seconds, argument="--step-seconds"),
+        activations=known,
+        first_reserve=first,
     )
 
 
@@ -93,13 +104,15 @@ def plan(
     step_seconds: Optional[Union[float, str]] = None,
     dtypes: Sequence[str] = (),
     components: Sequence[str] = (),
+    activations: Optional[Union[str, int]] = None,
 ) -> dict:
     """Predicted transfers of each offload strategy for `model` on a card, and the call to use.
 
     Args:
         model (`str`): A shipped model name (`diffusers-offload plan --list`) or a spec path.
         vram (`str` or `int`, defaults to `"24GiB"`): The card's memory.
-        reserve (`str` or `int`, defaults to `"3GiB"`): Memory left for activations when checking what fits.
+        reserve (`str` or `int`, defaults to `"3GiB"`): Memory left for activations when checking what fits: the
+            runtime's `memory_reserve`, what its automatic budget leaves for a call shape it has not seen.
         steps (`int`, defaults to 28): Denoising steps per generation (1 to `MAX_STEPS`).
         generations (`int`, defaults to 10): Pipeline calls in a row (1 to `MAX_GENERATIONS`); the first
             `REPLAYED_GENERATIONS` are replayed move by move, the rest extrapolated from their period.
@@ -112,6 +125,9 @@ def plan(
             with it `block_residency` models seconds per image, streamed copies hidden behind compute up to it.
         dtypes (`Sequence[str]`, *optional*): `COMPONENT=DTYPE` overrides (`denoiser=fp8` for every denoiser).
         components (`Sequence[str]`, *optional*): `NAME=CONFIG.json` / `NAME=CLASS:CONFIG.json` replacements.
+        activations (`str` or `int`, *optional*): The activations of the call, when known (measured: the runtime
+            reports them in `doe.offload_status(pipe).learnt`): the reserve is then them and a margin, as the runtime
+            leaves once it has seen a call of that shape, instead of `reserve`.
 
     Returns:
         `dict`: JSON-ready, sizes in bytes: the model, card and request, `bandwidth` (assumed rates), `components`
@@ -136,6 +152,7 @@ def plan(
         d2h_bandwidth=d2h_bandwidth,
         pinned_bandwidth=pinned_bandwidth,
         step_seconds=step_seconds,
+        activations=activations,
     )
     loaded = load_model(model, dtypes, components)
     call = loaded.call_trace(request.steps, request.preview)
@@ -248,6 +265,7 @@ def _result(loaded: Model, request: Request, call, entries, recommended, notes) 
         "units": "bytes; bandwidths in bytes per second; seconds priced at the assumed bandwidths",
         "vram_bytes": request.vram,
         "reserve_bytes": request.reserve,
+        "activations": activation_assumption(request),
         "steps": request.steps,
         "generations": request.generations,
         "preview": request.preview,
@@ -267,4 +285,27 @@ def _result(loaded: Model, request: Request, call, entries, recommended, notes) 
         "strategies": entries,
         "recommended": recommended,
         "notes": notes,
+    }
+
+
+def activation_assumption(request: Request) -> dict:
+    """What the plan assumes of the activations: `given` (`--activations`) or not, their bytes, the reserve kept free
+    for them, and in words."""
+    if request.activations is None:
+        note = (
+            f"assumed: {format_size(request.reserve)} kept free for activations (--reserve, what the runtime's "
+            "automatic budget leaves for a call shape it has not seen yet; then it learns what the shape needs). "
+            "Pass --activations when they are known"
+        )
+    else:
+        note = (
+            f"given: {format_size(request.activations)} of activations (--activations), and a margin: "
+            f"{format_size(request.reserve)} kept free, as the runtime leaves once it has seen a call of this shape "
+            f"(its first call of a shape leaves --reserve, {format_size(request.first_reserve)})"
+        )
+    return {
+        "given": request.activations is not None,
+        "bytes": request.activations,
+        "reserve_bytes": request.reserve,
+        "note": note,
     }

@@ -3,7 +3,8 @@
 A policy decides which component moves when; it never moves anything and knows no torch device. The runtime tells
 it what happens (offload armed, a call starts, a component is about to run, the call ends, a release, pipeline code
 asking for an eviction) together with the facts of the moment: what is resident and the device facts (component
-sizes, how much the device can hold). It answers with a `Decision`, which the runtime carries out in order. The
+sizes, how much the device can hold). It answers with a `Decision`, which the runtime carries out in order (and,
+when a component ran out of device memory, with the next rung of the recovery: `Policy.on_out_of_memory`). The
 replay (`policies.replay`) drives the same objects over a recorded trace, so predictions and real ledgers come from
 one piece of code.
 """
@@ -111,6 +112,34 @@ class Policy:
     def on_shared_load(self, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
         """Another pipeline put `name`, a component this one shares, on the device; make room if needed."""
         return NOTHING
+
+    def on_out_of_memory(
+        self, name: str, resident: AbstractSet[str], facts: Facts, running=(), held: int = 0, least=None
+    ) -> Decision:
+        """Hooked component `name` ran out of device memory (in its forward, or while it was loaded): the next rung of
+        the recovery. First the other resident components that may leave (hooked, not kept for good, not `running`),
+        in the pipeline's order; when none is left, `name` streams its blocks in less room (`next_room`, given the
+        device bytes it `held` and the `least` room it can stream in): its kept blocks go. `NOTHING` at its smallest
+        residency."""
+        others = [n for n in self.order if n in resident and n in self.hooked and n != name]
+        others = [n for n in others if n not in self.stays and n not in running]
+        if others:
+            return Decision.of((OFFLOAD, n) for n in others)
+        room = next_room(held, least)
+        if room is None:
+            return NOTHING
+        moves = [(OFFLOAD, name)] if name in resident else []
+        return Decision.of(moves + [(STREAM, name)], Overflow(name, int(facts.sizes[name]), room))
+
+
+def next_room(held: int, least: Optional[int]) -> Optional[int]:
+    """The room a component that ran out of device memory streams in at the next rung of the recovery, given the device
+    bytes it holds now (`held`: its whole size when it does not stream) and the least room it can stream in (`least`;
+    `None`: it cannot stream): half of what it holds, or its least room once half is less; `None` at its smallest."""
+    if least is None or held <= least:
+        return None
+    half = int(held) // 2
+    return half if half > least else int(least)
 
 
 def apply(moves, resident: set) -> None:

@@ -38,7 +38,7 @@ class PrefetchPolicy(ResidencyPolicy):
         if following is None or following in after or following not in self.hooked:
             return decision
         need = self.sizes[following]
-        limit = self._limit(after, facts)
+        limit = self._limit(after, facts, name)
         if limit is not None and need + sum(held_bytes(self, n, facts) for n in self.offloaded if n in after) > limit:
             return decision
         self.shadow.count(onloaded=need)

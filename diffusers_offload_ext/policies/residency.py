@@ -25,13 +25,14 @@ from .choice import exact_choice, greedy_choice
 from .masks import Universe
 from .forecast import Forecaster
 from .kept_streams import around_streams, carry, held_bytes, staying
+from .limits import ComponentLimits
 from .shadow import StockShadow
 
 #: Up to this many offloaded components the eviction choice is exact (2**n resident sets); above, a greedy rule.
 MAX_EXACT = 8
 
 
-class ResidencyPolicy(Policy):
+class ResidencyPolicy(ComponentLimits, Policy):
     """Keep components on the device within a memory budget; evict what the predicted future needs least.
 
     Keep one instance for the life of a pipeline's configuration: forecasts may span calls.
@@ -59,6 +60,8 @@ class ResidencyPolicy(Policy):
             counts the bytes it moves against stock's.
         dynamic_capacity (`bool`, defaults to `False`): Whether `Facts.capacity` will bound the room (free device
             memory read before onloads, on CUDA); forecasts then hold value tables even when the budget fits everything.
+        limits (`Mapping[str, int]`, *optional*): The most bytes of weights (excluded included) on the device while
+            a component runs, where its activations need more room than the budget leaves (`ComponentLimits`).
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class ResidencyPolicy(Policy):
         max_exact: int = MAX_EXACT,
         zero_copy: bool = True,
         dynamic_capacity: bool = False,
+        limits=None,
     ) -> None:
         hooked = set(hooked)
         self.order = tuple(order)
@@ -93,6 +97,7 @@ class ResidencyPolicy(Policy):
         self.exact = len(self.offloaded) <= max_exact
         self.zero_copy = bool(zero_copy)
         self.dynamic_capacity = bool(dynamic_capacity)
+        self.limits = {name: int(nbytes) for name, nbytes in (limits or {}).items()}
         self.forecaster = Forecaster(None, self.keep_between, cache if cache is not None else {})
         self._resize()
         self.shadow = StockShadow(self.chain, self.hooked, self.zero_copy)
@@ -110,7 +115,7 @@ class ResidencyPolicy(Policy):
     def config(self) -> tuple:
         """What the decisions depend on besides the trace (the runtime reuses a policy while it is equal)."""
         sizes = tuple(sorted(self.sizes.items()))
-        options = (self.budget, self.keep_between, self.zero_copy)
+        options = (self.budget, self.keep_between, self.zero_copy, tuple(sorted(self.limits.items())))
         return (self.order, self.chain, self.offloaded, self.excluded, self.round_trip, sizes) + options
 
     @property
@@ -132,16 +137,18 @@ class ResidencyPolicy(Policy):
         if name in self.beside and name in resident:  # the prediction was wrong
             return load_again(self, name, resident, facts)
         carry(self, name, resident)
+        if name in resident and name in self.limits:
+            return self.within_limit(name, resident, facts, choose)
         if name in resident or name not in self.hooked:
             return NOTHING
-        return self._load(name, resident, facts)
+        return self.noting(self._load(name, resident, facts))
 
     def _load(self, name: str, resident: AbstractSet[str], facts: Facts, beside: bool = True) -> Decision:
         """`name` runs from the host: load it (or stream it, see `stream_beside`), evicting what it must."""
         others = [n for n in self.offloaded if n in resident and n != name]
         self._measure(facts, [name] + others)
         need = self.sizes[name]
-        limit = self._limit(resident, facts)
+        limit = self._limit(resident, facts, name)
         self.shadow.count(onloaded=need)
         gone, others, limit = around_streams(self, name, others, limit, facts)
         first = [(OFFLOAD, n) for n in gone]
@@ -178,16 +185,7 @@ class ResidencyPolicy(Policy):
         return self._arm(resident, facts)
 
     def on_shared_load(self, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
-        others = [n for n in self.offloaded if n in resident and n != name]
-        held = sum(held_bytes(self, n, facts) for n in others) + (
-            self.sizes.get(name, 0) if name in self.hooked else 0
-        )
-        limit = self._limit(resident, facts)
-        if limit is None or held <= limit:
-            return Decision()
-        room = limit - (self.sizes.get(name, 0) if name in self.hooked else 0)
-        keep = choose_greedy(self, others, room)
-        return Decision.of((OFFLOAD, n) for n in others if n not in keep)
+        return shared_load(self, name, resident, facts)
 
     # -- decisions --------------------------------------------------------------------------------------------------
     def _arm(self, resident: AbstractSet[str], facts: Facts) -> Decision:
@@ -231,8 +229,8 @@ class ResidencyPolicy(Policy):
             self.sizes.update({n: int(facts.sizes[n]) for n in changed})
             self._resize()
 
-    def _limit(self, resident: AbstractSet[str], facts: Facts) -> Optional[int]:
-        limit = self.avail
+    def _limit(self, resident: AbstractSet[str], facts: Facts, name: Optional[str] = None) -> Optional[int]:
+        limit = self.within_own(self.avail, name, facts)
         if facts.capacity is not None:
             stays_bytes = sum(self.sizes[n] for n in self.stays if n in self.sizes)
             held = stays_bytes + sum(held_bytes(self, n, facts) for n in self.offloaded if n in resident)
@@ -241,6 +239,21 @@ class ResidencyPolicy(Policy):
                 room = max(int(capacity) - stays_bytes, 0)
                 limit = room if limit is None else min(limit, room)
         return limit
+
+
+def shared_load(policy: ResidencyPolicy, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
+    """A component another pipeline shares was loaded by that pipeline's call: the resident ones go where they no
+    longer fit beside it."""
+    others = [n for n in policy.offloaded if n in resident and n != name]
+    held = sum(held_bytes(policy, n, facts) for n in others) + (
+        policy.sizes.get(name, 0) if name in policy.hooked else 0
+    )
+    limit = policy._limit(resident, facts)
+    if limit is None or held <= limit:
+        return Decision()
+    room = limit - (policy.sizes.get(name, 0) if name in policy.hooked else 0)
+    keep = choose_greedy(policy, others, room)
+    return Decision.of((OFFLOAD, n) for n in others if n not in keep)
 
 
 def stream_beside(policy: ResidencyPolicy, name: str, others: List[str], keep: Set[str], limit: int, facts: Facts):

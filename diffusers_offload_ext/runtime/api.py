@@ -9,6 +9,7 @@ from ..layout import cannot_move
 from ..ledger import TransferLedger
 from ..marks import get_session
 from ..transfer import ON_DEVICE
+from .activations import LearntShape
 from .block_streams import BlockStatus
 from .session import session_of
 
@@ -123,6 +124,11 @@ class OffloadStatus(NamedTuple):
         recent_calls (`List[Tuple[str, ...]]`): Components used by the last completed calls, oldest first.
         options (`dict`): The options in force.
         pinned_bytes (`int`): Bytes of the components' host memory page-locked (`pin_memory`).
+        reserve (`int` or `None`): With the residency manager, what the free memory read before onloads keeps for
+            activations (CUDA): the last call shape's learnt reserve, else `memory_reserve` for the automatic budget
+            and 0 for an explicit one.
+        learnt (`Tuple[LearntShape, ...]`): What each call shape taught (its activations, reserve, budget limit and
+            out-of-memory recoveries), oldest first.
     """
 
     enabled: bool
@@ -137,6 +143,8 @@ class OffloadStatus(NamedTuple):
     recent_calls: List[Tuple[str, ...]]
     options: dict
     pinned_bytes: int = 0
+    reserve: Optional[int] = None
+    learnt: Tuple[LearntShape, ...] = ()
 
 
 def offload_status(pipe) -> OffloadStatus:
@@ -184,6 +192,8 @@ def offload_status(pipe) -> OffloadStatus:
         recent_calls=list(session.calls.history),
         options=options,
         pinned_bytes=sum(c.pinned_bytes for c in components.values()),
+        reserve=session.arming.reserve if session.options.residency else None,
+        learnt=session.activations.status(),
     )
 
 

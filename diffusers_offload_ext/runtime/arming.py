@@ -13,13 +13,14 @@ from ..layout import Arrangement, PipelineLayout, cannot_move, fixed_of, modules
 from ..marks import STOCK
 from ..policies import ChainPolicy, Policy, PrefetchPolicy, ResidencyPolicy
 from ..transfer import BOOK, ON_DEVICE, make_transfer, memory
-from .budget import resolve_budget
+from .budget import component_limits, resolve_budget
 from .checks import check_pinning, raise_like_stock
 from .combined import layout_of, quiet_sub_pipelines
 from .devices import resolve_device
 from .hook import attach, ours
 from .options import OffloadOptions, resolve_options
 from .placement import Sizes
+from .measuring import expect
 from .session import Session, session_of
 
 logger = logging.get_logger(f"diffusers.{__name__}")
@@ -39,6 +40,10 @@ class Arming(NamedTuple):
         user_excluded (`Tuple[str, ...]`): `_exclude_from_cpu_offload` as the user has it.
         fixed (`Tuple[str, ...]`, defaults to `()`): The components that cannot move (`layout.fixed_of`): out of
             the layout, never moved, counted against the budget where they were loaded.
+        reserve (`int`): What the free memory read before onloads keeps for activations: the call shape's learnt
+            reserve, else `memory_reserve` (automatic budget) or 0 (explicit). `limits` (`Tuple[Tuple[str, int],
+            ...]`): the most weights while each component whose activations need more runs (`budget.component_limits`).
+        shape (`tuple`): The call shape they were chosen for, with what was learnt then (`learnt_version`).
     """
 
     options: OffloadOptions
@@ -50,6 +55,10 @@ class Arming(NamedTuple):
     auto_budget: bool
     user_excluded: Tuple[str, ...]
     fixed: Tuple[str, ...] = ()
+    reserve: int = 0
+    limits: Tuple[Tuple[str, int], ...] = ()
+    shape: tuple = ()
+    learnt_version: int = 0
 
 
 def validate(pipe, session: Optional[Session], gpu_id, device, **arguments) -> Arming:
@@ -65,26 +74,46 @@ def validate(pipe, session: Optional[Session], gpu_id, device, **arguments) -> A
     )
     check_pinning(options, exec_device)
     arrangement = layout.arrange(options.exclude_from_offload)
-    budget, auto = None, False
-    if options.residency:
-        budget, auto = _budget(pipe, options, layout, arrangement, exec_device)
     fixed = tuple(fixed_of(pipe.components))
-    return Arming(options, exec_device, index, layout, arrangement, budget, auto, user_excluded, fixed)
+    arming = Arming(options, exec_device, index, layout, arrangement, None, False, user_excluded, fixed)
+    if options.residency:
+        arming = _budget(pipe, session, arming)
+    return arming
+
+
+def learnt(session: Optional[Session], options: OffloadOptions):
+    """`(reserve, reserves, fitted)` for the session's next call shape (`Activations.plan`): its learnt reserve,
+    else `memory_reserve` for the automatic budget and 0 for an explicit one; each measured component's reserve; the
+    weights that fitted beside each component that ran out of memory."""
+    default = options.memory_reserve if options.memory_budget is None else 0
+    return session.activations.plan(default) if session is not None else (default, {}, {})
+
+
+def with_budget(arming: Arming, session: Optional[Session], stays, held: int, fixed=None) -> Arming:
+    """`arming` with the budget, reserve and limits for the session's next call shape (`ValueError`: see
+    `resolve_budget`); `fixed`: the bytes of the components that cannot move."""
+    reserve, reserves, fitted = learnt(session, arming.options)
+    budget, auto = resolve_budget(arming.options, arming.device, stays, held, fixed=fixed, reserve=reserve)
+    limits = component_limits(arming.device, held, reserves, fitted, sum(stays.values()))
+    shape, version = (session.activations.shape, session.activations.version) if session is not None else ((), 0)
+    return arming._replace(
+        budget=budget, auto_budget=auto, reserve=reserve, limits=limits, shape=shape, learnt_version=version
+    )
 
 
 def _user_exclusion(pipe) -> list:
     return list(getattr(pipe, "_exclude_from_cpu_offload", None) or [])
 
 
-def _budget(pipe, options, layout, arrangement, device) -> Tuple[Optional[int], bool]:
+def _budget(pipe, session: Optional[Session], arming: Arming) -> Arming:
     modules = modules_of(pipe.components)
-    sizes = {n: _nbytes(modules[n]) for n in layout.order}
-    stays = {n: sizes[n] for n in arrangement.excluded + arrangement.round_trip}
+    sizes = {n: _nbytes(modules[n]) for n in arming.layout.order}
+    stays = {n: sizes[n] for n in arming.arrangement.excluded + arming.arrangement.round_trip}
     fixed = {n: _nbytes(m) for n, m in fixed_of(pipe.components).items()}
     # What the pipeline holds on the device: free memory does not count it (nor what cannot move, held there).
-    transfer = make_transfer(device)
-    held = sum(sizes[n] for n in layout.order if transfer.locate(modules[n]) == ON_DEVICE) + sum(fixed.values())
-    return resolve_budget(options, device, stays, held, fixed)
+    transfer = make_transfer(arming.device)
+    held = sum(sizes[n] for n in arming.layout.order if transfer.locate(modules[n]) == ON_DEVICE) + sum(fixed.values())
+    return with_budget(arming, session, stays, held, fixed)
 
 
 def _nbytes(module: torch.nn.Module) -> int:
@@ -144,7 +173,7 @@ def policy_for(session: Session, arming: Arming) -> Tuple[Policy, Optional[Any]]
     if not options.residency:
         keep = True if options.keep_all else options.keep
         return ChainPolicy.for_layout(layout, excluded=arrangement.excluded, keep=keep), None
-    capacity = memory.capacity(arming.device, options.memory_reserve if arming.auto_budget else 0)
+    capacity = memory.capacity(arming.device, arming.reserve)
     kind = PrefetchPolicy if options.prefetches and session.transfer.asynchronous else ResidencyPolicy
     policy = kind(
         order=layout.order,
@@ -159,6 +188,7 @@ def policy_for(session: Session, arming: Arming) -> Tuple[Policy, Optional[Any]]
         cache=session.forecasts,
         zero_copy=options.drops,
         dynamic_capacity=capacity is not None,
+        limits=dict(arming.limits),
     )
     previous = session.policy
     if isinstance(previous, ResidencyPolicy) and previous.config == policy.config:
@@ -196,19 +226,32 @@ def arm_again(pipe, session: Session, gpu_id: Any = None, device: Any = None) ->
 
 
 def refresh_budget(session: Session) -> None:
-    """The automatic budget follows free device memory: read it again (no walk: sizes are cached) and make a new
-    residency policy only when it changed."""
+    """The budget follows free device memory (the automatic one) and what the next call shape taught (its reserve,
+    its components' limits): read them again (no walk: sizes are cached) and make a new residency policy only when
+    they changed."""
     arming = session.arming
-    if arming is None or not arming.auto_budget:
+    if arming is None or not arming.options.residency:
         return
+    if not arming.auto_budget and not arming.limits and not session.activations.shapes:
+        return  # an explicit budget, nothing learnt: nothing to read
     sizes, fixed = session.facts.sizes, session.placement.fixed_sizes()
     stays = {n: sizes[n] for n in arming.arrangement.excluded + arming.arrangement.round_trip}
     streaming = session.placement.streams.held  # a streaming component holds its kept blocks and ring
     held = sum(streaming[n] if n in streaming else sizes[n] for n in session.resident) + sum(fixed.values())
     try:
-        budget, _ = resolve_budget(arming.options, arming.device, stays, held, fixed)
+        fresh = with_budget(arming, session, stays, held, fixed)
     except ValueError:
         return
-    if budget != arming.budget:
-        arming = arming._replace(budget=budget)
-        session.decide_with(*policy_for(session, arming), arming=arming)
+    if fresh != arming:
+        session.decide_with(*policy_for(session, fresh), arming=fresh)
+
+
+def before_call(session: Session, shape) -> None:
+    """A call of `shape` is about to begin: the budget is chosen again when the shape, or what was learnt, is not
+    what it was chosen for."""
+    expect(session, shape)
+    arming = session.arming
+    if session.active and not session.calls.in_call and arming is not None and arming.options.residency:
+        learnt = (session.activations.shape, session.activations.version)
+        if (arming.shape, arming.learnt_version) != learnt and (arming.limits or session.activations.shapes):
+            refresh_budget(session)

@@ -143,7 +143,7 @@ class BlockStreams:
     def start(self, name: str, module, room: int, transfer, check: bool) -> Tuple[Optional[BlockChoice], str]:
         """Start streaming component `name` (`module`) within `room` bytes through `transfer` (`check`: fingerprint
         its kept blocks); `(choice, "")`, or `(None, why not)` with nothing changed. Its blocks are weighed by the uses
-        they had the last time it streamed."""
+        they had the last time it streamed. A start that raises (out of device memory) leaves it not streaming."""
         order, uses = self.this_call.get(name) or self.learned.get(name, (None, {}))
         choice, blocks, why = block_choice(module, room, uses)
         if choice is None:
@@ -168,7 +168,11 @@ class BlockStreams:
         )
         self.active[name], self.choices[name], self.rooms[name] = streamer, choice, room
         self.built[name] = transfer.entry(module).changes
-        streamer.start()
+        try:
+            streamer.start()
+        except BaseException:  # the device ran out of memory: the streamer undid its start, nothing streams
+            del self.active[name], self.choices[name], self.rooms[name], self.built[name]
+            raise
         transfer.record(module, True)
         return choice, ""
 

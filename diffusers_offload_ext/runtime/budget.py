@@ -1,9 +1,11 @@
 """The memory budget of the residency manager: an explicit `memory_budget`, or the automatic one read from free
-device memory minus `memory_reserve`, checked against the components that never leave the device."""
+device memory minus the reserve (`memory_reserve`, or what the call shape's activations were seen to need), checked
+against the components that never leave the device; and the lower limits while the components whose activations need
+more room run."""
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 from diffusers.utils import logging
@@ -27,6 +29,7 @@ def resolve_budget(
     stays: Mapping[str, int],
     held_bytes: int,
     fixed: Optional[Mapping[str, int]] = None,
+    reserve: Optional[int] = None,
 ) -> Tuple[Optional[int], bool]:
     """The memory budget in force for the residency manager, checked against what must stay on the device.
 
@@ -40,6 +43,8 @@ def resolve_budget(
         fixed (`Mapping[str, int]`, *optional*): Bytes of each component that cannot move (bitsandbytes 8-bit): it
             counts against the budget where it was loaded. Beyond an explicit budget, a warning (not an error: no
             option of the user's put it there).
+        reserve (`int`, *optional*): What the automatic budget leaves free (the call shape's learnt reserve);
+            `memory_reserve` when not given.
 
     Returns:
         `(Optional[int], bool)`: the budget in bytes (`None`: unlimited) and whether it is the automatic one.
@@ -49,13 +54,14 @@ def resolve_budget(
             `memory_budget`.
     """
     total = memory.total_bytes(device)
-    reserve = options.memory_reserve
-    if total is not None and reserve > total:
+    if total is not None and options.memory_reserve > total:
+        reserve = options.memory_reserve
         raise ValueError(
             f"`{RESERVE}` is {format_size(reserve)} ({reserve} bytes), more than the whole device {device} has "
             f"({format_size(total)}). Pass a smaller reserve, for example `{RESERVE}='3GiB'`, or an explicit "
             f"`{BUDGET}`."
         )
+    reserve = options.memory_reserve if reserve is None else reserve
     stays_bytes = sum(stays.values())
     fixed = dict(fixed or {})
     if options.memory_budget is not None:
@@ -84,7 +90,24 @@ def resolve_budget(
         logger.warning(
             f"The components that never leave the device ({sorted(stays)!r}, {format_size(stays_bytes)}) exceed the "
             f"automatic memory budget ({format_size(budget)}: free memory on {device} plus what the pipeline holds "
-            f"there, minus `{RESERVE}`={format_size(reserve)}). Every other component will run alone."
+            f"there, minus the reserve, {format_size(reserve)}). Every other component will run alone."
         )
         budget = stays_bytes
     return budget, True
+
+
+def component_limits(
+    device: torch.device, held_bytes: int, reserves: Mapping[str, int], fitted: Mapping[str, int], stays_bytes: int
+) -> Tuple[Tuple[str, int], ...]:
+    """The most bytes of weights on the device while each component runs, below the budget where its activations
+    need more room: free memory plus what the pipeline holds, minus the component's own learnt reserve (`reserves`,
+    where free memory can be read), and no more than the weights that fitted beside it after an out-of-memory error
+    (`fitted`); never below the components that never leave the device. Sorted `(component, bytes)` pairs."""
+    free = memory.free_bytes(device)
+    limits: Dict[str, int] = {}
+    if free is not None:
+        for name, reserve in reserves.items():
+            limits[name] = max(free + held_bytes - reserve, 0) // AUTO_BUDGET_STEP * AUTO_BUDGET_STEP
+    for name, nbytes in fitted.items():
+        limits[name] = min(limits.get(name, nbytes), nbytes)
+    return tuple(sorted((name, max(nbytes, stays_bytes)) for name, nbytes in limits.items()))

@@ -11,7 +11,7 @@ from accelerate.hooks import CpuOffload, UserCpuOffloadHook, add_hook_to_module,
 from accelerate.utils import send_to_device
 
 from ..marks import HOOK_MARK, extension_hook
-from . import sharing
+from . import recovery, sharing
 
 _compiler_disable = getattr(getattr(torch, "compiler", None), "disable", lambda fn: fn)
 
@@ -39,6 +39,10 @@ class DeferredCpuOffload(CpuOffload):
 
     def init_hook(self, module):
         # Attaching the hook moves nothing: the session already placed the module.
+        return module
+
+    def detach_hook(self, module):
+        recovery.unguard(module)  # the out-of-memory guard of `attach` leaves with the hook
         return module
 
     @_compiler_disable
@@ -109,6 +113,7 @@ def attach(pipe, session) -> Dict[str, DeferredCpuOffload]:
         module = session.modules[name]
         hook = DeferredCpuOffload(session, name, session.device, prev_module_hook=previous if name in chain else None)
         add_hook_to_module(module, hook, append=True)
+        recovery.guard(module)  # an out-of-memory error in its forward: room made, run again (`recovery.py`)
         hooks[name] = hook
         if name in watched:
             continue

@@ -14,7 +14,8 @@ from diffusers.utils import logging
 from ..calls import StepBar
 from ..layout import modules_of
 from ..marks import MARK, STOCK, combined_of, get_session
-from .arming import arm, arm_again, validate
+from .activations import call_shape
+from .arming import arm, arm_again, before_call, validate
 from .hook import detach
 from ..transfer.pinned import unpin
 from .options import docstring, signature, take
@@ -190,9 +191,10 @@ def guard_call(call):
             return call(self, *args, **kwargs)
         if session.active and not session.calls.in_call and _components_changed(pipe, session):
             pipe.enable_model_cpu_offload()
-        session.begin_call()
+        before_call(session, call_shape(args, kwargs))
         failed = True
         try:
+            session.begin_call()  # its moves may run out of device memory: the call then ends as a failed one
             result = call(self, *args, **kwargs)
             failed = False
             return result

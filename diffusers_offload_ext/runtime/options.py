@@ -93,10 +93,12 @@ OPTIONS: Tuple[Option, ...] = (
         "memory_reserve", SIZE, "`int` or `str`", '`"3GiB"`', check.reserve, check.replace,
         field="memory_reserve",
         values="`int` bytes or a size",
-        summary="Only for the automatic budget on CUDA: left free for activations.",
+        summary="Only for the automatic budget on CUDA: left free for the activations of a call shape not seen yet.",
         doc="""Only for the automatic budget on CUDA (no `memory_budget`, `keep_on_device_between_generations=True`):
             the budget is the free device memory at enable time plus the weights the pipeline already holds there,
-            minus this reserve for activations. On other devices the automatic budget is unlimited.""",
+            minus this reserve for activations, until a call of the same shape (height, width, frames, batch) was
+            measured: then the reserve is what that shape was seen to need, and a margin. On other devices the
+            automatic budget is unlimited.""",
     ),
     Option(
         "keep_on_device_between_generations", Optional[bool], "`bool`", "`False`", check.flag, check.replace,

@@ -16,7 +16,9 @@ from ..marks import SESSION_ATTR, get_session
 from ..policies import NOTHING, Decision, Facts, Policy
 from ..transfer import COPY_STREAMS, Transfer, make_transfer, pinned
 from . import sharing
+from .activations import Activations
 from .exclusion import Exclusion
+from .measuring import held_bytes
 from .options import OffloadOptions
 from .placement import Placement, Sizes
 
@@ -46,9 +48,9 @@ class Session:
         self.facts = Facts(Sizes(self.placement, None), None, self.placement.stream_rooms, self.streams.held)
         self.hooks: Dict[str, object] = {}
         self.exclusion = Exclusion()
-        #: The residency policies' value tables, kept across the policies of this pipeline.
-        self.forecasts: dict = {}
+        self.forecasts: dict = {}  # the residency policies' value tables, kept across this pipeline's policies
         self.active = False
+        self.activations = Activations()  # what each call shape's activations need (`runtime/activations.py`)
 
     # -- read through ----------------------------------------------------------------------------------------------
     ledger = property(lambda self: self.recorder.ledger)
@@ -63,10 +65,8 @@ class Session:
     resident = property(lambda self: self.placement.resident)
     readable = property(lambda self: self.placement.readable)
     streams = property(lambda self: self.placement.streams)
-
-    def name_of(self, module: torch.nn.Module) -> Optional[str]:
-        """The component name of `module` in this pipeline, or `None`."""
-        return self.placement.name_of(module)
+    #: `name_of(module)`: the component name of `module` in this pipeline, or `None`.
+    name_of = property(lambda self: self.placement.name_of)
 
     # -- arming -------------------------------------------------------------------------------------------------------
     def adopt(self, arming, modules: Dict[str, torch.nn.Module], fixed: Optional[Dict] = None) -> None:
@@ -126,11 +126,13 @@ class Session:
         calls = self.calls
         if calls.depth:
             calls.current.append(name)
+        self.activations.close(self.device)
         decision = self.policy.on_use(name, placement.resident, self.facts)
         if decision is not NOTHING:
             self.carry_out(decision)
         if self.transfer.pending:
             self.transfer.ready(placement.modules[name])
+        self.activations.open(self.device, lambda: held_bytes(self), name)
 
     def request_offload(self, name: str) -> None:
         """Pipeline code called the component's `hook.offload()`."""
@@ -177,6 +179,7 @@ class Session:
         policy's end-of-call moves are made; unless it `failed`, its trace joins the history and its streams' lessons.
         """
         self.calls.end_trace(failed)
+        self.activations.end(self.device, failed)
         if self.hooks:
             _end_streams(self, failed)
             self.carry_out(self.policy.on_call_end(self.resident, self.facts))

@@ -4,6 +4,11 @@ Tensor subclasses that wrap inner tensors (`__tensor_flatten__`: torchao, optimu
 tensors are: a wrapper moved to the device has its inner tensors tagged too, and an operation on a wrapper whose inner
 tensors are on the host while other inputs are on the device raises. Quantization state that a library passes to its
 kernels as arguments (bitsandbytes' `quant_state.absmax`, `state.CB`) is checked as any input is.
+
+With a `capacity` (opt-in; unlimited by default, and then nothing is counted) device memory is counted per storage:
+weights moved there, buffers made there and the outputs of operations on device tensors (activations). A new storage
+that would go past the capacity raises `torch.OutOfMemoryError`, as CUDA's allocator does; a storage is freed when the
+last device tensor that holds it dies or leaves the device.
 """
 
 from __future__ import annotations
@@ -31,22 +36,33 @@ class Transfer(NamedTuple):
 
 
 class _Tag(weakref.ref):
-    """Marks one tensor object as on the device; dies with it."""
+    """Marks one tensor object as on the device; dies with it. `held`: the storage it counts (with a capacity)."""
 
-    __slots__ = ("key",)
+    __slots__ = ("key", "held")
 
 
 class SimulatedAccelerator(TorchFunctionMode):
     """Within ``with SimulatedAccelerator() as sim:``, tensors moved to ``sim.device`` (``cpu:0``) report that device,
-    moves to and from it copy, and an op mixing device and host tensors raises as on CUDA. Not reentrant."""
+    moves to and from it copy, and an op mixing device and host tensors raises as on CUDA. Not reentrant.
+
+    Args:
+        capacity (`int`, *optional*): Bytes of device memory; past it a new storage raises `torch.OutOfMemoryError`.
+            `None` (the default): unlimited, and nothing is counted.
+    """
 
     _is_simulated_accelerator = True  # a marker that also holds for a second copy of this file loaded by path
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: Optional[int] = None) -> None:
         super().__init__()
         self._tags: dict[int, _Tag] = {}  # id(tensor) -> weak reference; per object, never per storage address
         self._copies: list[Transfer] = []
         self._forget_callback = self._forget  # one bound method for all the weak references
+        self.capacity = capacity
+        self._storages: dict[int, list] = {}  # storage address -> [bytes, device tensors holding it]
+        #: Bytes of device memory held now, the most held since `reset_peak()`, and the out-of-memory errors raised.
+        self.allocated_bytes = 0
+        self.peak_bytes = 0
+        self.out_of_memory_errors = 0
 
     @property
     def device(self) -> torch.device:
@@ -68,6 +84,10 @@ class SimulatedAccelerator(TorchFunctionMode):
 
     def reset_counters(self) -> None:
         self._copies.clear()
+
+    def reset_peak(self) -> None:
+        """`peak_bytes` starts again from what is held now (`torch.cuda.reset_peak_memory_stats`)."""
+        self.peak_bytes = self.allocated_bytes
 
     def is_on_device(self, tensor: torch.Tensor) -> bool:
         ref = self._tags.get(id(tensor))
@@ -154,9 +174,14 @@ class SimulatedAccelerator(TorchFunctionMode):
         key = id(tensor)
         ref = self._tags.get(key)
         if ref is None or ref() is not tensor:
+            held = self._hold(tensor, None) if self.capacity is not None else None  # may raise: nothing tagged then
+            if ref is not None:
+                self._release(ref)
             ref = _Tag(tensor, self._forget_callback)
-            ref.key = key
+            ref.key, ref.held = key, held
             self._tags[key] = ref
+        elif self.capacity is not None:
+            ref.held = self._hold(tensor, ref.held)  # `param.data = other`: the object now holds another storage
         if inner and type(tensor) not in _PLAIN:
             for part in _inner(tensor):  # made inside the subclass's dispatch, where this mode does not look
                 self._tag(part)
@@ -165,11 +190,56 @@ class SimulatedAccelerator(TorchFunctionMode):
         if on_device:
             self._tag(tensor, inner)
         elif self.is_on_device(tensor):
-            del self._tags[id(tensor)]
+            self._release(self._tags.pop(id(tensor)))
 
     def _forget(self, ref: _Tag) -> None:
+        self._release(ref)
         if self._tags.get(ref.key) is ref:
             del self._tags[ref.key]
+
+    # -- device memory (with a capacity) ------------------------------------------------------------------------------
+    def _hold(self, tensor: torch.Tensor, held: Optional[int]) -> Optional[int]:
+        """Count the storage behind `tensor` (once per storage, however many tensors view it), given the one its tag
+        counted so far; returns the storage's address. Raises `torch.OutOfMemoryError` past the capacity."""
+        if _is_wrapper(tensor):
+            return None  # a wrapper subclass holds no storage of its own: its inner tensors are counted
+        try:
+            with torch._C.DisableTorchFunction():
+                storage = tensor.untyped_storage()
+                address, nbytes = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # no storage to count (sparse, ...)
+            return None
+        if address == held:
+            return held
+        entry = self._storages.get(address)
+        if entry is None:
+            if self.allocated_bytes + nbytes > self.capacity:
+                self.out_of_memory_errors += 1
+                raise torch.OutOfMemoryError(
+                    f"Simulated accelerator out of memory. Tried to allocate {nbytes} bytes; {self.allocated_bytes} "
+                    f"of its {self.capacity} bytes are allocated."
+                )
+            entry = self._storages[address] = [nbytes, 0]
+            self.allocated_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+        entry[1] += 1
+        self._drop_hold(held)
+        return address
+
+    def _release(self, ref: _Tag) -> None:
+        held = getattr(ref, "held", None)
+        if held is not None:
+            ref.held = None
+            self._drop_hold(held)
+
+    def _drop_hold(self, address: Optional[int]) -> None:
+        entry = self._storages.get(address) if address is not None else None
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del self._storages[address]
+            self.allocated_bytes -= entry[0]
 
     def _scan(self, inputs: tuple) -> tuple[bool, Optional[torch.Tensor]]:
         """(some input is on the device, the first host input that cannot mix with it (dim >= 1) or None)."""

@@ -33,18 +33,28 @@ class KeptBlocks:
         self.states: Dict[str, list] = {}  # the kept blocks' quantization state (its host copy puts it back)
 
     def load(self) -> None:
-        """Every kept block to the device, its host copy kept and sealed."""
+        """Every kept block to the device, its host copy kept and sealed. A block that cannot be loaded whole (the
+        device ran out of memory) goes back to the host before the error propagates; those loaded before it stay,
+        for `evict`."""
         for block in self.blocks:
             copy = HostCopy(self.component, self.check, only=block.slots)
-            self.copier.onload_kept(block.slots, self.device, move_slots)
-            self.states[block.name] = carry(block.slots, self.device)
-            copy.seal(self.component)
+            try:
+                self.copier.onload_kept(block.slots, self.device, move_slots)
+                self.states[block.name] = carry(block.slots, self.device)
+                copy.seal(self.component)
+            except BaseException:
+                self.copier.drain()
+                self.states.pop(block.name, None)
+                copy.restore(self.component)  # its quantization state's host tensors too
+                raise
             self.copies[block.name] = copy
             self.emit(block.name, ONLOAD, block.nbytes, COPY)
 
     def evict(self) -> None:
-        """Every kept block back to the host: dropped when unchanged, else copied back."""
+        """Every kept block loaded back to the host: dropped when unchanged, else copied back."""
         for block in self.blocks:
+            if block.name not in self.copies:
+                continue  # never loaded (its load failed, or one before it)
             copy, states = self.copies.pop(block.name), self.states.pop(block.name, ())
             if copy.check and copy.unchanged(self.component):
                 copy.restore(self.component)  # its quantization state's host tensors too

@@ -1,7 +1,9 @@
-"""How much memory the execution device has: free and total bytes, and the capacity a budget can count on.
+"""How much memory the execution device has: free and total bytes, the capacity a budget can count on, the peak of
+allocated bytes (the activations are learnt from it), and giving cached memory back.
 
-On any device other than CUDA both return `None`: no automatic budget, no re-reading of free memory. Tests replace
-`free_bytes` / `total_bytes` (monkeypatch) to run the CUDA code paths on the CPU.
+On any device other than CUDA they return `None` (or do nothing): no automatic budget, no re-reading of free memory, no
+peak to learn from. Tests replace these functions (monkeypatch; `testing/device_memory.py` backs them with the
+simulated accelerator's counts) to run the CUDA code paths on the CPU.
 """
 
 from __future__ import annotations
@@ -40,3 +42,31 @@ def capacity(device: torch.device, reserve: int) -> Optional[Callable[[int], Opt
         return None if free is None else free + held - reserve
 
     return room
+
+
+def allocated_bytes(device: torch.device) -> Optional[int]:
+    """Bytes of tensors allocated on `device` by this process now; `None` where it cannot be known (not CUDA)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_allocated(device))
+
+
+def peak_bytes(device: torch.device) -> Optional[int]:
+    """The most bytes allocated on `device` since the last `reset_peak`; `None` where it cannot be known."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.max_memory_allocated(device))
+
+
+def reset_peak(device: torch.device) -> None:
+    """`peak_bytes` starts again from what is allocated now (CUDA only; nothing elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def release_cached(device: torch.device) -> None:
+    """Give the memory the caching allocator holds unused back to the device (`torch.cuda.empty_cache()`), so that
+    what an eviction freed can serve any allocation size. Nothing elsewhere."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()

@@ -91,7 +91,17 @@ class BlockStreamer:
     # -- life -------------------------------------------------------------------------------------------------------
     @streams_ordinary_tensors
     def start(self) -> None:
-        """Kept blocks to the device, the ring allocated, hooks on the streamed blocks, the first blocks prefetched."""
+        """Kept blocks to the device, the ring allocated, hooks on the streamed blocks, the first blocks prefetched.
+        Where that fails (the device ran out of memory), what was done is undone before the error propagates."""
+        try:
+            self._start()
+        except BaseException:
+            self.settle()
+            self._unhook()
+            self.keeper.evict()
+            raise
+
+    def _start(self) -> None:
         self.keeper.load()
         self.ring = Ring(self.device, self.slot_bytes, self.slots)
         self._holder, self._tokens, self._freed = [None] * self.slots, [None] * self.slots, [None] * self.slots

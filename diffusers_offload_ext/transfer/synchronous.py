@@ -47,7 +47,11 @@ class SyncTransfer(Transfer):
                 self.pinning.release(module)  # it stays on the device: its host memory goes
         host_copy = HostCopy(module, check) if keep_host and entry.host_copy is None else entry.host_copy
         sealed = host_copy if host_copy is not None and host_copy is not entry.host_copy else None
-        self._copy_in(module, locked, sealed)
+        try:
+            self._copy_in(module, locked, sealed)
+        except BaseException:
+            self._back_home(module, entry, host_copy)  # out of device memory halfway: nothing stays half loaded
+            raise
         entry.host_copy = host_copy if keep_host else None
         entry.resident = True
         self._resentinel(module, entry)
@@ -62,6 +66,18 @@ class SyncTransfer(Transfer):
             module.to(self.device)
         if sealed is not None:
             sealed.seal(module)
+
+    def _back_home(self, module: torch.nn.Module, entry, host_copy) -> None:
+        """An onload failed partway (the device ran out of memory): the tensors it moved go back to the host (their
+        kept host tensors put back where there are some, else copied), and the record says so."""
+        self.flush()
+        if host_copy is not None:
+            host_copy.restore(module)
+        if self.readable:
+            module.to(HOST)
+        entry.host_copy = None
+        entry.resident = False
+        self._resentinel(module, entry)
 
     def _event(self):
         event = torch.cuda.Event()

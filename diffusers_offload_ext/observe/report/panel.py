@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from ...constants import DROP, ONLOAD
+from ...constants import DROP, ONLOAD, OUT_OF_MEMORY
 from ...units import format_size
 from ..trace.records import REPLAYED
 from .slots import step_axis
@@ -16,6 +16,7 @@ OFFLOAD_COLOR = "#c8372d"
 DROP_COLOR = "#7f7f7f"
 RESIDENT_COLOR = "#2ca02c"
 USE_COLOR = "#444444"
+RECOVERY_COLOR = "#e377c2"
 _STRIDES = (1, 2, 5, 10, 20, 25, 50, 100, 250, 1000, 10**9)
 
 
@@ -132,6 +133,8 @@ def draw_moves(ax, trace, panel: Panel) -> None:
             marker = "^" if up else ("x" if record.kind == DROP else "v")
             face = "none" if record.source == REPLAYED else color
             ax.plot([xpos], [tip], marker=marker, markersize=3 + 5 * scale, color=color, mfc=face, lw=0, zorder=4)
+        if getattr(record, "cause", None) == OUT_OF_MEMORY:  # forced by an out-of-memory recovery: always starred
+            ax.plot([xpos], [tip], marker="*", markersize=9, color=RECOVERY_COLOR, lw=0, zorder=5)
 
 
 def label_axes(ax, trace, panel: Panel) -> None:

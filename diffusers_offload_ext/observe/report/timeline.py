@@ -6,7 +6,9 @@ from __future__ import annotations
 import textwrap
 from typing import List, Optional, Sequence, Tuple
 
-from .panel import DROP_COLOR, OFFLOAD_COLOR, ONLOAD_COLOR, RESIDENT_COLOR, USE_COLOR, draw, place
+from ...constants import OUT_OF_MEMORY
+from ...units import format_size
+from .panel import DROP_COLOR, OFFLOAD_COLOR, ONLOAD_COLOR, RECOVERY_COLOR, RESIDENT_COLOR, USE_COLOR, draw, place
 from .table import streamed_notes
 
 
@@ -33,7 +35,8 @@ def plot_traces(items: Sequence[Tuple[Optional[str], object]], path: Optional[st
     grid = fig.add_gridspec(len(items), 1, height_ratios=heights, hspace=0.42)
     for row, ((title, trace), panel) in enumerate(zip(items, panels)):
         draw(fig.add_subplot(grid[row, 0]), trace, panel, title)
-    _footer(fig, _legend(any(trace.replayed for _, trace in items)), notes, width)
+    recovered = any(_recoveries(trace) for _, trace in items)
+    _footer(fig, _legend(any(trace.replayed for _, trace in items), recovered), notes, width)
     if path is not None:
         fig.savefig(path, dpi=110)
     return fig
@@ -43,11 +46,27 @@ def _notes(items) -> List[str]:
     """Every trace's notes, each once, in order."""
     notes: List[str] = []
     for _, trace in items:
-        notes += [n for n in trace.notes + streamed_notes(trace) if n not in notes]
+        notes += [n for n in trace.notes + streamed_notes(trace) + _recovery_notes(trace) if n not in notes]
     return notes
 
 
-def _legend(replayed: bool) -> list:
+def _recoveries(trace) -> list:
+    return [r for r in trace.records if getattr(r, "cause", None) == OUT_OF_MEMORY]
+
+
+def _recovery_notes(trace) -> List[str]:
+    """One note when out-of-memory recoveries forced moves: how many, of what."""
+    forced = _recoveries(trace)
+    if not forced:
+        return []
+    names = ", ".join(dict.fromkeys(r.component for r in forced))
+    return [
+        f"Starred: {len(forced)} moves ({format_size(sum(r.nbytes for r in forced))}) forced by out-of-memory "
+        f"recoveries ({names}): evictions that made room, and components restarted to stream in less room."
+    ]
+
+
+def _legend(replayed: bool, recovered: bool = False) -> list:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -58,6 +77,10 @@ def _legend(replayed: bool) -> list:
         Patch(facecolor=RESIDENT_COLOR, alpha=0.3, label="resident on the execution device"),
         Patch(facecolor=USE_COLOR, label="component ran"),
     ]
+    if recovered:
+        handles.append(
+            Line2D([0], [0], color=RECOVERY_COLOR, marker="*", lw=0, markersize=9, label="forced by out of memory")
+        )
     if replayed:
         handles.append(
             Line2D(

@@ -72,8 +72,9 @@ class ExtensionMoves:
                 onloaded = self.placement.resident_bytes(name, target) if readable else record.nbytes
                 self.recorder.resident[name] = onloaded if direction == ONLOAD else 0
             kind = record.kind
+            cause = getattr(record, "cause", None)
             self.recorder.add(
-                name, direction, record.nbytes, kind, EXTENSION, src, dst, EXTENSION, seconds, span.clock, block
+                name, direction, record.nbytes, kind, EXTENSION, src, dst, EXTENSION, seconds, span.clock, block, cause
             )
 
         return finish

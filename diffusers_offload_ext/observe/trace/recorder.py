@@ -32,10 +32,22 @@ class Recorder:
         self.pending: List[Tuple[TraceRecord, Callable[[], float]]] = []
 
     def add(
-        self, component, direction, nbytes, kind, source, src, dst, where, seconds=None, clock=None, block=None
+        self,
+        component,
+        direction,
+        nbytes,
+        kind,
+        source,
+        src,
+        dst,
+        where,
+        seconds=None,
+        clock=None,
+        block=None,
+        cause=None,
     ) -> None:
-        """Record one move (of one `block` of a streaming component, if given). `seconds` (a function, see
-        `Clock.stop`) gives its duration; `clock` timed it."""
+        """Record one move (of one `block` of a streaming component, if given; forced by an out-of-memory recovery
+        when `cause` says so). `seconds` (a function, see `Clock.stop`) gives its duration; `clock` timed it."""
         phase, step = self.calls.position()
         info = self.calls.info
         record = TraceRecord(
@@ -55,6 +67,7 @@ class Recorder:
             where=where,
             resident_bytes=int(self.resident.get(component, 0)),
             block=block,
+            cause=cause,
         )
         self.records.append(record)
         if seconds is not None:

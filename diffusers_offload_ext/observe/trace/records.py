@@ -50,6 +50,8 @@ class TraceRecord(CopiedBytes):
             component: its blocks on the device, resident or in the ring).
         block (`str` or `None`): For a component that streams its blocks (larger than the memory budget), the block
             that moved; `None` for a move of the whole component.
+        cause (`str` or `None`): `"out-of-memory"` for a move an out-of-memory recovery forced (the ledger's
+            `TransferRecord.cause`); `None` otherwise.
     """
 
     index: int
@@ -69,6 +71,7 @@ class TraceRecord(CopiedBytes):
     where: str = ""
     resident_bytes: int = 0
     block: Optional[str] = None
+    cause: Optional[str] = None
 
 
 @dataclasses.dataclass
