@@ -17,7 +17,7 @@ PATCH_SDISTS := build/sdist/diffusers-0.42.1.tar.gz build/sdist/diffusers-0.40.0
 BLACK_PATHS := setup.py diffusers_offload_ext tests $(wildcard benchmarks tools)
 PYTEST := -p no:cacheprovider -q
 
-.PHONY: demo test test-serial test-new test-old test-patched test-quant lint clean check-patches test-patch-diffusers
+.PHONY: demo test test-serial test-new test-old test-patched test-quant lint clean check-patches test-patch-diffusers gpu-check
 
 .venv/.installed: setup.py
 	rm -rf .venv
@@ -60,6 +60,13 @@ build/sdist/diffusers-%.tar.gz: | .venv-patch-tools/.installed
 	bash patches/apply-to-sdist.sh build/sdist/diffusers-$(DIFFUSERS_SDIST_VERSION).tar.gz build/diffusers-patched patches/fixes patches/v0.42.1
 	.venv-patched/bin/pip install $(PIP_QUIET) ./build/diffusers-patched accelerate==1.15.0 "transformers>=5,<6" sentencepiece protobuf peft pytest hypothesis
 	touch $@
+
+# The GPU check in one command, on a machine with a CUDA GPU (docs/benchmarks-gpu.md): results into GPU_RESULTS within
+# GPU_SECONDS. Not part of `test`: it needs no venv of ours (PYTHON names the interpreter, with torch and diffusers).
+GPU_RESULTS ?= gpu-results
+GPU_SECONDS ?= 540
+gpu-check:
+	tools/gpu_check.sh $(GPU_RESULTS) $(GPU_SECONDS)
 
 demo: .venv/.installed
 	.venv/bin/diffusers-offload demo
