@@ -125,6 +125,15 @@ def test_a_weight_replaced_in_a_streamed_block_is_kept(accelerator, replace):
         with torch.no_grad():
             REPLACEMENTS[replace](target, target.weight)
 
+    reference_pipe = edited_at_the_first_step(pipe, change, accelerator)
+    got = pipe.transformer.get_submodule(path).weight.detach().cpu()
+    assert torch.equal(got, reference_pipe.transformer.get_submodule(path).weight.detach().cpu())
+
+
+def edited_at_the_first_step(pipe, change, accelerator):
+    """One call of `pipe` with `change(pipe)` made in its first step's callback: its image is the one of no offload
+    with the same change at the same point, and after `doe.release` the transformer is on the host. Returns that
+    reference pipeline."""
     expected, reference_pipe = reference_with(change)
 
     def callback(p, step, timestep, kwargs):
@@ -134,10 +143,9 @@ def test_a_weight_replaced_in_a_streamed_block_is_kept(accelerator, replace):
 
     assert max_abs_diff(call(pipe, callback), expected) == 0.0
     doe.release(pipe)
-    got = pipe.transformer.get_submodule(path).weight.detach().cpu()
-    assert torch.equal(got, reference_pipe.transformer.get_submodule(path).weight.detach().cpu())
     if accelerator is not None:
         assert accelerator.where(pipe.transformer) == "host"
+    return reference_pipe
 
 
 # -- 3: a submodule replaced inside a streaming component -------------------------------------------------------------
@@ -168,17 +176,7 @@ def test_a_submodule_replaced_inside_a_streaming_component_runs_on_the_device(ac
         target = p.transformer.get_submodule(parent) if parent else p.transformer
         setattr(target, leaf, copy.deepcopy(fresh))
 
-    expected, _ = reference_with(change)
-
-    def callback(p, step, timestep, kwargs):
-        if step == 0:
-            change(p)
-        return kwargs
-
-    assert max_abs_diff(call(pipe, callback), expected) == 0.0
-    doe.release(pipe)
-    if accelerator is not None:
-        assert accelerator.where(pipe.transformer) == "host"
+    edited_at_the_first_step(pipe, change, accelerator)
 
 
 # -- 4: a failed call's partial pass ----------------------------------------------------------------------------------
