@@ -135,7 +135,7 @@ class HostCopy:
         self.content = None if live is None else self._content(live)
         if self.content is None:
             return  # something it cannot read: the eviction will copy
-        self.signature = [(_token(t), [_layout(x) for x in leaves]) for (_, _, _, t), leaves in live]
+        self.signature = [(_token(t), [_marks(x) for x in leaves]) for (_, _, _, t), leaves in live]
 
     @staticmethod
     def _content(live) -> Optional[list]:
@@ -159,7 +159,7 @@ class HostCopy:
         for ((_, is_param, _, t), leaves), (token, marks) in zip(live, self.signature):
             if not _is(token, t) or len(leaves) != len(marks) or (is_param and t.grad is not None):
                 return False
-            if any(_layout(x) != mark for x, mark in zip(leaves, marks)):
+            if any(_marks(x) != mark for x, mark in zip(leaves, marks)):
                 return False
         content = self._content(live)
         if content is None or [d for d, _ in content] != [d for d, _ in self.content]:
@@ -220,10 +220,14 @@ def at_home(tensor: torch.Tensor) -> bool:
     return device.type == "meta" or (device.type == "cpu" and device.index is None)
 
 
-def _layout(tensor: torch.Tensor) -> tuple:
-    """What an eviction without a copy must find unchanged besides the tensor's identity: its data pointer, version
-    counter, shape, dtype and stride."""
-    return tensor.data_ptr(), version_of(tensor), tuple(tensor.shape), tensor.dtype, tensor.stride()
+def layout(tensor: torch.Tensor) -> tuple:
+    """What a copy of `tensor` must keep to stand for it: its data pointer, shape, dtype and stride."""
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, tensor.stride()
+
+
+def _marks(tensor: torch.Tensor) -> tuple:
+    """What an eviction without a copy must find unchanged besides the tensor's identity: its layout and version."""
+    return layout(tensor), version_of(tensor)
 
 
 def _put_back(sub: torch.nn.Module, held: Held) -> None:

@@ -12,7 +12,7 @@ from typing import Callable, List, Optional
 import torch
 
 from .base import HOST
-from .host_copy import at_home
+from .host_copy import at_home, layout
 from .inference import version_of
 from .parts import as_parameter, flatten, leaves_of, move_tensor, unflatten
 from .quant_state import state_of
@@ -81,7 +81,9 @@ class StreamedBlock:
                 self.originals[i] = now
                 self.specs[i], self.leaves[i] = flatten(now, detached=True)
                 renewed = True
-            states = state_of(self.slots)
+            # Quantization state is read again where the block carries some, or a weight was replaced: a plain
+            # block's loads walk no attributes.
+            states = state_of(self.slots) if renewed or self.states else []
             if renewed or [id(t) for _, _, t in states] != [id(t) for _, _, t in self.states]:
                 for j, (owner, name, t) in enumerate(states):
                     if not at_home(t):
@@ -123,7 +125,7 @@ class StreamedBlock:
         if any(table.get(key) is not mine for (table, key), mine in zip(self.tables, self.installed)):
             return True
         live = self._live()
-        if len(live) != len(self.views) or any(_layout(x) != _layout(v) for x, v in zip(live, self.views)):
+        if len(live) != len(self.views) or any(layout(x) != layout(v) for x, v in zip(live, self.views)):
             return True
         # No counter to read (an inference tensor): taken as changed (written back).
         return any(mark is None or version_of(x) != mark for x, mark in zip(live, self.marks))
@@ -197,9 +199,4 @@ def move_slots(slots, device: torch.device, non_blocking: bool = False) -> None:
 
 def _same(leaves: List[torch.Tensor], held: List[torch.Tensor]) -> bool:
     """Whether `leaves` are still the host tensors `held`: same number, each at home with the same layout."""
-    return len(leaves) == len(held) and all(at_home(x) and _layout(x) == _layout(h) for x, h in zip(leaves, held))
-
-
-def _layout(tensor: torch.Tensor) -> tuple:
-    """What a streamed tensor must keep for its copy to stand for it: data pointer, shape, dtype and stride."""
-    return tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, tensor.stride()
+    return len(leaves) == len(held) and all(at_home(x) and layout(x) == layout(h) for x, h in zip(leaves, held))
