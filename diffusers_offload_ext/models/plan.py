@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Dict, List, NamedTuple, Optional, Sequence, Union
 
-from ..policies.reserve import reserve_for
+from ..residency.reserve import reserve_for
 from ..units import format_size
 from .block_compare import block_residency
 from .block_model import BlockPlans

@@ -21,10 +21,10 @@ from typing import Dict
 import torch
 from diffusers.utils import logging
 
-from .base import Moved
-from .book import BOOK, Book
-from .ring import CudaCopier
-from .synchronous import SyncTransfer
+from ..transfer.base import Moved
+from ..transfer.book import BOOK, Book
+from ..transfer.ring import CudaCopier
+from ..transfer.synchronous import SyncTransfer
 
 logger = logging.get_logger(f"diffusers.{__name__}")
 
