@@ -19,7 +19,7 @@ from diffusers_offload_ext.blocks.find import REST, block_sizes  # noqa: E402
 from diffusers_offload_ext.testing import tiny  # noqa: E402
 from diffusers_offload_ext.testing.page_locking import fake_page_locking  # noqa: E402
 from diffusers_offload_ext.testing.copy_stream import fake_cuda  # noqa: E402
-from diffusers_offload_ext.transfer.ring import ALIGN, Ring, aligned_nbytes  # noqa: E402
+from diffusers_offload_ext.blocks.ring import ALIGN, Ring, aligned_nbytes  # noqa: E402
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.usefixtures("installed")]
 NAME = "flux"

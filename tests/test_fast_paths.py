@@ -21,7 +21,7 @@ from diffusers_offload_ext.testing import tiny  # noqa: E402
 from diffusers_offload_ext.testing.page_locking import fake_page_locking  # noqa: E402
 from diffusers_offload_ext.testing.copy_stream import fake_cuda  # noqa: E402
 from diffusers_offload_ext.transfer import make_transfer  # noqa: E402
-from diffusers_offload_ext.transfer.ring import Ring  # noqa: E402
+from diffusers_offload_ext.blocks.ring import Ring  # noqa: E402
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.usefixtures("installed")]
 NAME = "sd15"

@@ -31,7 +31,8 @@ from ..transfer.base import HOST
 from .hooks import Around
 from ..transfer.inference import has_inference_parameters, streams_ordinary_tensors
 from .kept_blocks import KeptBlocks
-from ..transfer.ring import Copier, Ring
+from ..transfer.copier import Copier
+from .ring import Ring
 from .streamed_block import StreamedBlock, device_of
 
 #: `(block, direction, nbytes, kind)`: told of every block move.

@@ -15,7 +15,7 @@ from .choice import DEPTH, Item, BlockChoice, least_room, choose_blocks
 from .prefetch import blocks_ahead
 from .streamed_block import ring_hosts
 from ..transfer.parts import streamable
-from ..transfer.ring import aligned_nbytes
+from .ring import aligned_nbytes
 from .streamer import BlockStreamer
 from ..units import format_size
 
