@@ -33,13 +33,15 @@ from ..transfer.inference import has_inference_parameters, streams_ordinary_tens
 from .kept_blocks import KeptBlocks
 from ..transfer.copier import Copier
 from .ring import Ring
+from .kept_set import KeptSet
+from .find import REST
 from .streamed_block import StreamedBlock, device_of
 
 #: `(block, direction, nbytes, kind)`: told of every block move.
 Emit = Callable[[str, str, int, str], None]
 
 
-class BlockStreamer:
+class BlockStreamer(KeptSet):
     """Streams the blocks of `component` that `plan` does not keep.
 
     Args:
@@ -73,10 +75,13 @@ class BlockStreamer:
     ) -> None:
         self.passes, self.inference_parameters, self.schedule = passes, has_inference_parameters(component), schedule
         self.component, self.device, self.copier, self.emit, self.check = component, device, copier, emit, check
+        self.blocks = {b.name: b for b in blocks}
         self.depth = max(plan.slots - 1, 1)
         self.kept = [b for b in blocks if b.name in set(plan.kept)]
-        self.streamed = {b.name: StreamedBlock(b) for b in blocks if b.name not in set(plan.kept)}
-        known = [n for n in (order or ()) if n in self.streamed]
+        self.streamed = {b.name: StreamedBlock(b) for b in blocks if b.name not in set(plan.kept) and b.name != REST}
+        #: Every block that ran in its last pass, in order (kept ones too: what it keeps may change).
+        self.ran: List[str] = list(order or ())
+        known = [n for n in self.ran if n in self.streamed]
         #: The streamed blocks in the order they run (the prefetch follows it): last time's, else module order.
         self.runs = known or list(self.streamed)
         self.slot_bytes, self.slots = plan.slot_bytes, plan.slots
@@ -84,10 +89,13 @@ class BlockStreamer:
         self.seen: List[str] = []
         self.keeper = KeptBlocks(component, self.kept, device, copier, emit, check)
         self.ring: Optional[Ring] = None
+        #: Whether the ring is wanted now (a stream whose component does not run may let it go: `release_ring`).
+        self.holds_ring = True
         self._holder: List[Optional[str]] = []
         self._tokens: List[object] = []
         self._freed: List[object] = []
         self._handles: list = []
+        self._hooks: Dict[str, object] = {}  # block -> its hooks (`Around`)
 
     # -- life -------------------------------------------------------------------------------------------------------
     @streams_ordinary_tensors
@@ -104,17 +112,18 @@ class BlockStreamer:
 
     def _start(self) -> None:
         self.keeper.load()
-        self.ring = Ring(self.device, self.slot_bytes, self.slots)
-        self._holder, self._tokens, self._freed = [None] * self.slots, [None] * self.slots, [None] * self.slots
         self._handles = [self.component.register_forward_hook(lambda *_: _drain(self.copier), always_call=True)]
         for name, block in self.streamed.items():
             _refresh(self, block)  # a tensor found on the device goes home
-            enter, leave = (lambda name=name: self.enter(name)), (lambda name=name: self.leave(name))
-            self._handles.append(Around(block.module, enter, leave))
+            self._hook_streamed(name)
         for block in self.kept:  # counted too, so that the next plan weighs every block by its uses
-            self._handles.append(Around(block.module, lambda name=block.name: self._count(name), None))
-        for name in self.schedule(self.runs, None, self.depth, self.passes):  # cross while the rest runs
-            self._load(name, ahead=True)
+            self._hook_kept(block.name)
+        if self.holds_ring:
+            self.hold_ring()
+
+    def new_ring(self) -> Ring:
+        """A ring of its `slots` buffers of `slot_bytes` on the device."""
+        return Ring(self.device, self.slot_bytes, self.slots)
 
     def settle(self) -> None:
         """Release every block in the ring (a failed call left one running, or prefetches were never used)."""
@@ -144,9 +153,9 @@ class BlockStreamer:
         self.keeper.forget()
 
     def _unhook(self) -> None:
-        for handle in self._handles:
+        for handle in self._handles + list(self._hooks.values()):
             handle.remove()
-        self._handles = []
+        self._handles, self._hooks = [], {}
         if self.ring is not None:
             self.copier.drain()
             self.ring.close()
@@ -161,6 +170,8 @@ class BlockStreamer:
         block = self.streamed[name]
         if block.running:
             return
+        if self.ring is None:  # let go while it did not run, and not asked for again: allocated now
+            self.hold_ring()
         slot = block.slot if block.slot is not None else self._load(name, ahead=False)
         self.copier.wait(self._tokens[slot])
         self._tokens[slot] = None
@@ -186,26 +197,7 @@ class BlockStreamer:
     @torch.compiler.disable
     def _count(self, name: str) -> None:
         self.uses[name] += 1
-
-    @property
-    def order(self) -> List[str]:
-        """Every streamed block: those that run, in their order, then the others."""
-        return self.runs + [n for n in self.streamed if n not in self.runs]
-
-    def _learned(self) -> None:
-        """A pass that never repeated (one forward) is the order too."""
-        if self.seen:
-            self.runs = list(self.seen)
-        self.seen = None
-
-    def _learn(self, name: str) -> None:
-        if self.seen is None:
-            return
-        if name in self.seen:
-            self.runs = list(self.seen)
-            self.seen = None  # one pass is the order
-        else:
-            self.seen.append(name)
+        self._learn(name)
 
     def _prefetch(self, name: str) -> None:
         upcoming = self.schedule(self.runs, name, self.depth, self.passes)

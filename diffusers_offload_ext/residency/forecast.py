@@ -30,16 +30,18 @@ class Forecaster:
     """Forecasts for one universe of offloaded components.
 
     Args:
-        universe (`Universe` or `None`): The components as bit masks; `None` when there are too many for exact tables
-            (then only the predicted events are kept).
+        universe (`Universe`, `BlockUniverse` or `None`): The components (or their blocks) as bit masks; `None` when
+            there are too many for exact tables (then only the predicted events are kept).
         keep_between (`bool`): Whether components stay on the device from one call to the next.
         cache (`dict`): Value tables shared by the policies of one pipeline.
+        entries (`int`, defaults to `CACHE_ENTRIES`): Most tables kept in `cache` (it starts afresh past this).
     """
 
-    def __init__(self, universe: Optional[Universe], keep_between: bool, cache: dict) -> None:
+    def __init__(self, universe, keep_between: bool, cache: dict, entries: int = CACHE_ENTRIES) -> None:
         self.universe = universe
         self.keep_between = keep_between
         self.cache = cache
+        self.entries = entries
         self.forecast: Optional[Forecast] = None
 
     def _key(self, kind: str, model: Tuple[str, ...]) -> tuple:
@@ -47,7 +49,7 @@ class Forecaster:
         return (kind, u.names, tuple(u.sizes), u.avail, self.keep_between, model)
 
     def _remember(self, key, value):
-        if len(self.cache) >= CACHE_ENTRIES:
+        if len(self.cache) >= self.entries:
             self.cache.clear()
         self.cache[key] = value
         return value

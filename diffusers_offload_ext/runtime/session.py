@@ -10,13 +10,14 @@ import torch
 from diffusers.utils import logging
 
 from ..calls import CallTracker
-from ..constants import OFFLOAD, ONLOAD, PREFETCH, STREAM
+from ..constants import KEEP, OFFLOAD, ONLOAD, PREFETCH, STREAM
 from ..ledger import Recorder
 from ..marks import SESSION_ATTR, get_session
 from ..policies import NOTHING, Decision, Facts, Policy
 from ..transfer import COPY_STREAMS, Transfer, make_transfer
 from ..pinning import store as pinned
 from . import sharing
+from .stream_moves import end_streams, keep, stop_others_streams, stop_stream, stream
 from ..recovery.activations import Activations
 from .exclusion import Exclusion
 from ..recovery.measuring import held_bytes
@@ -46,7 +47,7 @@ class Session:
         self.transfer: Optional[Transfer] = None
         self.policy: Optional[Policy] = None
         self.placement = Placement(self.recorder.record, self.calls)
-        self.facts = Facts(Sizes(self.placement, None), None, self.placement.stream_rooms, self.streams.held)
+        self.facts = _facts(self.placement)
         self.hooks: Dict[str, object] = {}
         self.exclusion = Exclusion()
         self.forecasts: dict = {}  # the residency policies' value tables, kept across this pipeline's policies
@@ -123,7 +124,7 @@ class Session:
             self.transfer.book.refresh(placement.modules[name], entry)
         if placement.stream_room_stale(name):
             placement.measure_streams([name])  # its blocks changed: so may the room it streams in
-        _stop_others_streams(self, name)  # this pipeline runs it: it places it
+        stop_others_streams(self, name)  # this pipeline runs it: it places it
         calls = self.calls
         if calls.depth:
             calls.current.append(name)
@@ -182,7 +183,7 @@ class Session:
         self.calls.end_trace(failed)
         self.activations.end(self.device, failed)
         if self.hooks:
-            _end_streams(self, failed)
+            end_streams(self, failed)
             self.carry_out(self.policy.on_call_end(self.resident, self.facts))
         self.streams.end_call(failed)
 
@@ -202,14 +203,12 @@ class Session:
     # -- moves ------------------------------------------------------------------------------------------------------
     def carry_out(self, decision: Decision) -> None:
         for direction, name in decision.moves:
-            if direction != STREAM:
-                self.move(name, direction)
-                continue
-            module = self.modules[name]
-            if self.streams.begin(name, module, decision.overflow, self.transfer, self.options.drops):
-                self.placement.placed(module, True)
+            if direction == KEEP:
+                keep(self, name, decision.kept[name])
+            elif direction == STREAM:
+                stream(self, name, decision.overflow)
             else:
-                self.move(name, ONLOAD)  # it cannot stream: loaded whole, alone
+                self.move(name, direction)
 
     def stop_streams(self) -> None:
         """Every streaming component back on the host."""
@@ -220,8 +219,8 @@ class Session:
         """Move one component through the transfer and record it; every pipeline holding it learns where it is."""
         module = self.modules[name]
         if name in self.streams.active:
-            return _stop_stream(self, name, direction)
-        if _stop_others_streams(self, name) and direction == OFFLOAD:
+            return stop_stream(self, name, direction)
+        if stop_others_streams(self, name) and direction == OFFLOAD:
             return  # it streamed for another pipeline sharing it: that stream sent it home
         ahead, direction = direction == PREFETCH, ONLOAD if direction == PREFETCH else direction
 
@@ -238,40 +237,6 @@ class Session:
             _make_room(module, self)
 
 
-def _end_streams(session: Session, failed: bool) -> None:
-    """A call ends: streams stop, unless components stay between calls; then their rings are emptied, and those that
-    would keep other blocks now (`BlockStreams.replanned`; not after a failed call) stop, to start again."""
-    if not session.options.keep_between:
-        session.stop_streams()
-        return
-    session.streams.settle()
-    for name in [] if failed else session.streams.replanned():
-        session.move(name, OFFLOAD)
-
-
-def _stop_stream(session: Session, name: str, direction: str) -> None:
-    """`name` streams for `session`: an onload leaves it so (it runs on the device already, block by block); any other
-    move stops the stream (each block's move is in the ledger)."""
-    if direction != ONLOAD:
-        session.streams.stop(name, session.transfer)
-        session.placement.placed(session.modules[name], False)
-
-
-def _stop_others_streams(session: Session, name: str) -> bool:
-    """`session` runs or moves its component `name`: where another pipeline sharing it keeps it streaming, that stream
-    stops first (into that pipeline's ledger), and `session` places it by its own policy. Whether one stopped."""
-    if name in session.streams.active:
-        return False
-    module, stopped = session.modules[name], False
-    for other in sharing.holders(module):
-        theirs = other.name_of(module) if other is not session else None
-        if theirs is not None and theirs in other.streams.active:
-            other.streams.unlearn(theirs)  # not a pass of its own calls: its plan stays
-            other.move(theirs, OFFLOAD)
-            stopped = True
-    return stopped
-
-
 def _transferred(session: Session, name: str, direction: str, ahead: bool):
     """Component `name` moved through `session`'s transfer; an onload keeps its host copy where an eviction may drop
     it (or page-locked host memory is kept), unless the component never leaves the device."""
@@ -281,6 +246,14 @@ def _transferred(session: Session, name: str, direction: str, ahead: bool):
     keep_host = (session.options.drops or transfer.pinning is not None) and name not in session.policy.stays
     onload = transfer.prefetch if ahead else transfer.onload
     return onload(module, keep_host=keep_host, check=session.options.drops)
+
+
+def _facts(placement: Placement) -> Facts:
+    """What the policy is told with each event, read live from `placement` (sizes once armed: `decide_with`)."""
+    streams = placement.streams
+    return Facts(
+        Sizes(placement, None), None, placement.stream_rooms, streams.held, placement.block_facts, streams.kept
+    )
 
 
 def _booker(session: Session, module: torch.nn.Module) -> Session:

@@ -1,0 +1,206 @@
+"""Residency block by block: when the offloaded components do not all fit the budget and their blocks are known
+(`Facts.blocks`), the residency policy decides, at each use, which blocks every component keeps on the device.
+
+Each component is a set of blocks (`block_sets.py`; one block where it cannot stream). The device holds the blocks
+the predicted future needs soonest: exactly for the prediction up to `block_tables.MAX_BLOCKS` blocks in all, by
+Belady's rule with roll-outs above (`belady.py`). Room is made by evicting the least valuable blocks, not whole
+components: a kept block becomes streamed, a resident component that is not running may lose some of its blocks and
+stream them at its next use, and a component that fits streams nothing. The decision is `KEEP` moves, each with the
+blocks a component keeps (`Keep`), evictions first, so that the budget holds after every move.
+
+A component that fits its room whole is loaded whole (one move, as component by component); loaded whole, it may later
+keep only some of its blocks (the others leave, nothing is copied in again: `blocks/adopt.py`). Where
+stock's chain fits the budget, a choice that could cost more than stock (dropping bytes stock holds, streaming a
+component stock would hold whole) is made only while the bytes saved against stock cover it; otherwise the running
+component is kept whole and what stock holds goes last.
+"""
+
+from __future__ import annotations
+
+from typing import AbstractSet, Dict, FrozenSet, List, Mapping, Optional, Tuple
+
+from ..constants import KEEP, OFFLOAD, ONLOAD, STREAM
+from ..policies.base import Decision, Facts, Keep, Overflow
+from ..units import format_size
+from .belady import Chooser, next_use_words
+from .block_sets import Spec, footprint, kept_bytes, ring_bytes, spec_of, use_cost
+from .block_tables import MAX_BLOCKS, BlockUniverse
+
+Kept = Dict[str, FrozenSet[str]]
+
+
+def block_mode(policy, facts: Facts) -> bool:
+    """Whether `policy` decides block by block now: blocks are known and its offloaded components do not all fit."""
+    if not facts.blocks or policy.avail is None:
+        return False
+    return sum(policy.sizes[n] for n in policy.offloaded) > policy.avail
+
+
+def specs_of(policy, facts: Facts, resident: AbstractSet[str]) -> Dict[str, Spec]:
+    """Every offloaded component's blocks (one block for a component that cannot stream)."""
+    return {name: spec_of(name, facts.blocks.get(name), policy.sizes[name]) for name in policy.offloaded}
+
+
+def kept_now(policy, facts: Facts, resident: AbstractSet[str], specs: Mapping[str, Spec]) -> Kept:
+    """The blocks each resident offloaded component keeps now (all of one loaded whole)."""
+    streaming = facts.kept or {}
+    kept = {}
+    for name in policy.offloaded:
+        if name in resident:
+            kept[name] = frozenset(streaming[name][0]) if name in streaming else specs[name].keys
+    return {name: blocks for name, blocks in kept.items() if blocks}
+
+
+def use_in_blocks(policy, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
+    """The residency policy's decision when `name` is about to run, block by block."""
+    specs = specs_of(policy, facts, resident)
+    kept = kept_now(policy, facts, resident, specs)
+    room = policy._limit(resident, facts, name)
+    upcoming = policy.forecaster.upcoming(policy.calls.current, policy.model, policy.chain, bool(policy.calls.history))
+    new = _choose(policy, name, kept, specs, room, facts, upcoming)
+    if new is None or _risk(policy, name, kept, new, specs) > 0:
+        # Stock's way: `name` as whole as it can be, what stock holds kept before the rest.
+        order = (name,) + tuple(n for n in policy.offloaded if n in policy.shadow.holds and n != name)
+        safe = _chooser(policy, specs, facts).allocate(name, kept, {n: i for i, n in enumerate(order)}, room=room)
+        if new is None or (
+            safe is not None and _risk(policy, name, kept, safe, specs) < _risk(policy, name, kept, new, specs)
+        ):
+            new = safe
+    if new is None:  # it cannot run in its room even alone: everything else goes, and it runs alone (with a warning)
+        return _alone(policy, name, kept, specs, room)
+    _count(policy, name, kept, new, specs)
+    return _decision(policy, name, kept, new, specs, facts, room, upcoming)
+
+
+def held_after(policy, name: str, decision: Decision, after: AbstractSet[str], facts: Facts) -> int:
+    """Bytes the offloaded components in `after` hold once `decision` (for the use of `name`) is carried out: the
+    blocks each keeps (and the ring of `name` and of the streams that keep theirs), whole components at their size."""
+    specs = specs_of(policy, facts, after)
+    streaming, kept = facts.kept or {}, decision.kept or {}
+    held = 0
+    for n in policy.offloaded:
+        if n not in after:
+            continue
+        if n in kept:
+            held += kept_bytes(specs[n], kept[n].blocks) + (
+                ring_bytes(specs[n], kept[n].blocks) if kept[n].ring else 0
+            )
+        elif n in streaming:
+            held += kept_bytes(specs[n], streaming[n][0]) + streaming[n][1]
+        else:
+            held += specs[n].total
+    return held
+
+
+def _alone(policy, name: str, kept: Kept, specs: Mapping[str, Spec], room: int) -> Decision:
+    """`name` cannot run in `room` even alone: every other component is evicted and it is asked to stream in the room,
+    which the runtime cannot do, so it loads it whole, alone, and says why (`BlockStreams.begin`)."""
+    moves = [(OFFLOAD, n) for n in policy.offloaded if n in kept and n != name]
+    moves += [(OFFLOAD, name)] if name in kept and specs[name].streams else []
+    policy.shadow.count(onloaded=specs[name].total)
+    return Decision.of(moves + [(STREAM, name)], Overflow(name, specs[name].total, max(room, 0)))
+
+
+def _chooser(policy, specs: Mapping[str, Spec], facts: Facts) -> Chooser:
+    """The policy's `Chooser` for these blocks and rooms (kept, with what it remembers, while they stay the same)."""
+    rooms = _rooms(policy, specs, facts)
+    key = (tuple(specs.items()), tuple(sorted(rooms.items())), policy.keep_between)
+    chooser = policy.__dict__.get("_block_chooser")
+    if chooser is None or chooser.key != key:
+        chooser = Chooser(specs, rooms.__getitem__, policy.keep_between)
+        chooser.key = key
+        policy.__dict__["_block_chooser"] = chooser
+    return chooser
+
+
+def _rooms(policy, specs: Mapping[str, Spec], facts: Facts) -> Dict[str, int]:
+    """The room while each component runs: the budget, or less where its activations need more."""
+    return {n: policy.within_own(policy.avail, n, facts) for n in specs}
+
+
+def _choose(policy, name, kept: Kept, specs, room: int, facts: Facts, upcoming) -> Optional[Kept]:
+    """Exact for a few blocks (in the room the tables were made for), Belady's rule with roll-outs otherwise."""
+    names = [n for n in policy.offloaded if n in set(policy.model) | {name} | set(kept)]
+    if sum(len(specs[n].items) for n in names) <= MAX_BLOCKS:
+        chosen = {n: specs[n] for n in names}
+        rooms = _rooms(policy, chosen, facts)
+        if rooms[name] == room:
+            forecaster = policy.block_forecaster
+            if forecaster.universe is None or forecaster.universe.sizes != BlockUniverse.signature(chosen, rooms):
+                forecaster.universe, forecaster.forecast = BlockUniverse(chosen, rooms, policy.avail), None
+            learned = bool(policy.calls.history)
+            after = forecaster.values(policy.calls.current, policy.model, policy.chain, learned)
+            return forecaster.universe.choose(name, kept, after)
+    return _chooser(policy, specs, facts).decide(name, kept, upcoming, room=room)
+
+
+def _risk(policy, name: str, kept: Kept, new: Kept, specs: Mapping[str, Spec]) -> int:
+    """By how much keeping `new` may cost more than stock's chain, where stock fits the budget (0 or less: never):
+    this use's copies, a reload of every byte stock holds that `new` does not (`name`'s streamed blocks too), and
+    without zero-copy the copies of what is dropped now and of what is held beyond stock (stock paid for evicting
+    those), less what was saved against stock so far (`StockShadow.credit`; `StockShadow.allows`, by blocks)."""
+    shadow = policy.shadow
+    if not shadow.fits:
+        return 0
+    holds = set(shadow.holds)
+    risk = sum(specs[n].total - kept_bytes(specs[n], new.get(n, ())) for n in holds if n in specs)
+    if not policy.zero_copy:
+        risk += sum(kept_bytes(specs[n], blocks - new.get(n, frozenset())) for n, blocks in kept.items())
+        risk += sum(kept_bytes(specs[n], blocks) for n, blocks in new.items() if n not in holds)
+    # This use's copies are not counted in the credit yet.
+    return risk + use_cost(specs[name], kept.get(name, ()), new[name]) - shadow.credit
+
+
+def _count(policy, name: str, kept: Kept, new: Kept, specs: Mapping[str, Spec]) -> None:
+    """Tell the shadow of stock's chain what this use copies and evicts."""
+    dropped = sum(kept_bytes(specs[n], blocks - new.get(n, frozenset())) for n, blocks in kept.items() if n != name)
+    policy.shadow.count(onloaded=use_cost(specs[name], kept.get(name, ()), new[name]), evicted=dropped)
+
+
+def _decision(policy, name, kept: Kept, new: Kept, specs, facts: Facts, room: int, upcoming) -> Decision:
+    """The moves from `kept` to `new` for the use of `name`: the others' evictions first (a stream's ring let go
+    where the room is needed), then `name`'s own."""
+    moves: List[Tuple[str, str]] = []
+    keeps: Dict[str, Keep] = {}
+    rings = {n: ring for n, (_, ring) in (facts.kept or {}).items() if ring and n != name}
+    held = sum(kept_bytes(specs[n], blocks) for n, blocks in new.items() if n != name) + sum(rings.values())
+    release = held + footprint(specs[name], new[name]) > room
+    for other in policy.offloaded:
+        if other == name or other not in kept:
+            continue
+        blocks = new.get(other, frozenset())
+        if not blocks or not specs[other].streams:
+            if blocks != kept[other]:
+                moves.append((OFFLOAD, other))
+            continue
+        if blocks != kept[other] or (release and other in rings):
+            moves.append((KEEP, other))
+            keeps[other] = Keep(blocks, False, _why_evicted(specs[other], blocks, name, upcoming))
+    spec, blocks = specs[name], new[name]
+    streaming = (facts.kept or {}).get(name)
+    if not spec.streams or (blocks == spec.keys and streaming is None):  # whole: loaded so (as without blocks)
+        if name not in kept:
+            moves.append((ONLOAD, name))
+    else:
+        ring = blocks != spec.keys
+        if streaming is None or frozenset(streaming[0]) != blocks or bool(streaming[1]) != ring:
+            moves.append((KEEP, name))
+            keeps[name] = Keep(blocks, ring, _why_running(spec, blocks, room, new, name))
+    return Decision.of(moves, None, keeps)
+
+
+def _why_running(spec: Spec, blocks: FrozenSet[str], room: int, new: Kept, name: str) -> str:
+    n, k = len(spec.items), len(blocks)
+    if k == n:
+        return f"all {n} blocks kept: it fits"
+    beside = [other for other in new if other != name]
+    where = f"beside {', '.join(f'`{o}`' for o in sorted(beside))}" if beside else "alone"
+    return (
+        f"{k} of {n} blocks kept ({format_size(kept_bytes(spec, blocks))}), {n - k} streamed: the most its room "
+        f"{where} holds ({format_size(room)} with its ring)"
+    )
+
+
+def _why_evicted(spec: Spec, blocks: FrozenSet[str], name: str, upcoming) -> str:
+    n, k = len(spec.items), len(blocks)
+    return f"{k} of {n} blocks kept: {n - k} evicted to make room for `{name}` ({next_use_words(spec.name, upcoming)})"
