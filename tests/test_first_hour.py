@@ -95,9 +95,10 @@ def test_plan_prices_the_recommended_budget_call_once_and_names_the_options_it_a
     result = json.loads(out)
     assert code == 0 and result["recommended"]["strategy"] == "residency"
     assert "pin_memory" not in result["recommended"]["call"] and "prefetch" not in result["recommended"]["call"]
-    strategy = result["strategies"]["residency"]["seconds_at_assumed_bandwidth"]["mean_per_generation_including_setup"]
+    strategy = result["strategies"]["residency"]["seconds_at_assumed_bandwidth"]["first_generation_excluding_setup"]
     rows = result["block_residency"]["rows"]
-    # The recommended call, priced the same in both tables (no setup, every generation alike here) ...
+    assert result["strategies"]["residency"]["setup_bytes"] == 0
+    # The recommended call, priced the same in both tables (its first generation; no setup here) ...
     assert rows["budget"]["seconds_first"] == pytest.approx(strategy, rel=1e-3)
     # ... and the same call with page-locking and prefetch, a row of its own that says so.
     assert rows["budget_pinned"]["seconds_first"] < rows["budget"]["seconds_first"]

@@ -86,6 +86,9 @@ class BlockStreamer(KeptSet):
         self.runs = known or list(self.streamed)
         self.slot_bytes, self.slots = plan.slot_bytes, plan.slots
         self.uses: Dict[str, int] = {block.name: 0 for block in blocks}
+        #: Which use of the component in its call runs now (`BlockStreams.begin_use`), and the blocks each ran.
+        self.use_index: Optional[int] = None
+        self.runs_by_use: Dict[int, set] = {}
         self.seen: List[str] = []
         self.keeper = KeptBlocks(component, self.kept, device, copier, emit, check)
         self.ring: Optional[Ring] = None
@@ -178,6 +181,8 @@ class BlockStreamer(KeptSet):
         block.swap_in(self.device)
         block.running = True
         self.uses[name] += 1
+        if self.use_index is not None:
+            self.runs_by_use.setdefault(self.use_index, set()).add(name)
         self._learn(name)
         self._prefetch(name)
 
@@ -197,6 +202,8 @@ class BlockStreamer(KeptSet):
     @torch.compiler.disable
     def _count(self, name: str) -> None:
         self.uses[name] += 1
+        if self.use_index is not None:
+            self.runs_by_use.setdefault(self.use_index, set()).add(name)
         self._learn(name)
 
     def _prefetch(self, name: str) -> None:

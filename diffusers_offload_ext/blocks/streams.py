@@ -5,13 +5,14 @@ for its next start, and the facts the policy is told of them (`Facts.streaming`,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Callable, Dict, Iterator, NamedTuple, Optional, Set, Tuple
+from typing import Callable, Dict, Optional, Set, Tuple
 
 from diffusers.utils import logging
 
 from .adopt import adopt_whole
 from .find import find_blocks
+from .lessons import StreamLessons
+from .status import BlockStatus, KeptFacts, StreamBytes
 from .choice import BlockChoice
 from .items import block_choice, block_items, kept_choice, stream_room  # noqa: F401 (re-exported)
 from .prefetch import blocks_ahead
@@ -21,65 +22,7 @@ from ..units import format_size
 logger = logging.get_logger(f"diffusers.{__name__}")
 
 
-class BlockStatus(NamedTuple):
-    """How a streaming component runs (`ComponentStatus.blocks`).
-
-    Args:
-        resident (`Tuple[str, ...]`): Its blocks kept on the device while it streams (`"<rest>"` is what no repeated
-            block holds: embeddings, norms, projections).
-        streamed (`Tuple[str, ...]`): Its blocks copied into the ring just before they run, in the order they ran.
-        ring_bytes (`int`): Bytes of the ring of device buffers they pass through (`slots` of `slot_bytes`).
-        slots (`int`): Ring buffers: the running block and those prefetched ahead.
-        device_bytes (`int`): Bytes it holds on the device: the resident blocks and the ring.
-        bytes_per_pass (`int`): Bytes streamed by one forward (one denoising step, for a denoiser).
-        why (`str`): Why these blocks are kept and those stream, in words (the residency policy's reason).
-    """
-
-    resident: Tuple[str, ...]
-    streamed: Tuple[str, ...]
-    ring_bytes: int
-    slots: int
-    device_bytes: int
-    bytes_per_pass: int
-    why: str = ""
-
-
-class StreamBytes(Mapping):
-    """The bytes each streaming component of `streams` holds on the device, its kept blocks and ring: what the
-    policy counts for it while it is resident (`Facts.streaming`), read live."""
-
-    def __init__(self, streams: "BlockStreams") -> None:
-        self._choices = streams.choices
-
-    def __getitem__(self, name: str) -> int:
-        return self._choices[name].device_bytes
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._choices)
-
-    def __len__(self) -> int:
-        return len(self._choices)
-
-
-class KeptFacts(Mapping):
-    """For each streaming component of `streams`, the blocks it keeps and the bytes of the ring it holds
-    (`Facts.kept`), read live."""
-
-    def __init__(self, streams: "BlockStreams") -> None:
-        self._streams = streams
-
-    def __getitem__(self, name: str) -> tuple:
-        choice = self._streams.choices[name]
-        return frozenset(choice.kept), choice.ring_bytes
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._streams.choices)
-
-    def __len__(self) -> int:
-        return len(self._streams.choices)
-
-
-class BlockStreams:
+class BlockStreams(StreamLessons):
     """The streaming components of one pipeline.
 
     Args:
@@ -99,6 +42,9 @@ class BlockStreams:
         self.said: Set[str] = set()  # components whose streaming (or failure to) was logged
         self.plans: Dict[str, BlockChoice] = {}  # name -> its plan (`choices` shows the ring it holds now)
         self.why: Dict[str, str] = {}  # name -> why it keeps what it keeps (the policy's words)
+        #: `Facts.runs`: name -> use index in a call -> the blocks that use ran, as its streams learnt them.
+        self.runs: Dict[str, Dict[int, frozenset]] = {}
+        self._runs_this_call: Dict[str, Dict[int, frozenset]] = {}
         #: The bytes each streaming component holds on the device (`Facts.streaming`).
         self.held = StreamBytes(self)
         #: The blocks each keeps and the ring it holds (`Facts.kept`).
@@ -214,11 +160,6 @@ class BlockStreams:
             self._learn(name, streamer)
             transfer.record(streamer.component, False)
 
-    def unlearn(self, name: str) -> None:
-        """What component `name`'s stream counted since its last call's end ran for another pipeline sharing it."""
-        streamer = self.active[name]
-        streamer.uses = dict.fromkeys(streamer.uses, 0)
-
     def abandon(self, name: str) -> None:
         """Component `name`'s weights were moved outside offload: stop streaming it where they are."""
         streamer = self.active.pop(name)
@@ -235,41 +176,6 @@ class BlockStreams:
         """The streaming components whose structure changed since they started (a sub-module, parameter or buffer
         assigned: `entries`' change counts, which a size read does not reset)."""
         return [name for name in self.active if entries[name].changes != self.built[name]]
-
-    def replanned(self) -> list:
-        """The streams that, weighed by the uses their blocks had in this call, would keep other blocks (or size their
-        ring otherwise) within the room they were given: started without knowing their uses (a first call keeps the
-        VAE's encoder blocks for a decode). Stopped at the call's end, they start again with the better plan."""
-        stale = []
-        for name, streamer in self.active.items():
-            if name in self.rooms and any(streamer.uses.values()):  # a stream the policy keeps is its to change
-                choice, _, _ = block_choice(streamer.component, self.rooms[name], dict(streamer.uses))
-                now = self.choices[name]
-                if choice is None or (set(choice.kept), choice.slot_bytes) != (set(now.kept), now.slot_bytes):
-                    stale.append(name)
-        return stale
-
-    def end_call(self, failed: bool) -> None:
-        """The call in progress ended: what its streams learned is the plan of the next calls, unless it `failed` (a
-        partial pass: blocks that did not run would weigh nothing). A stream that stays between calls learns what
-        this call ran and counts the next call's uses afresh."""
-        if not failed:
-            self.learned.update(self.this_call)
-            for name, streamer in self.active.items():
-                if any(streamer.uses.values()):
-                    if streamer.seen:  # a pass that never repeated (one decode) is the order too
-                        streamer._learned()
-                    self.learned[name] = (tuple(streamer.ran or streamer.runs), dict(streamer.uses))
-        self.this_call.clear()
-        for streamer in self.active.values():
-            streamer.uses = dict.fromkeys(streamer.uses, 0)
-
-    def _learn(self, name: str, streamer: BlockStreamer) -> None:
-        for held in (self.choices, self.plans, self.rooms, self.built, self.why):
-            held.pop(name, None)
-        if any(streamer.uses.values()):
-            learned = self.this_call if self.calls.in_call else self.learned
-            learned[name] = (tuple(streamer.ran or streamer.runs), dict(streamer.uses))
 
     def status(self, name: str) -> Optional[BlockStatus]:
         streamer, choice = self.active.get(name), self.choices.get(name)

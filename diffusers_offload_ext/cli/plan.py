@@ -65,6 +65,12 @@ def add_parser(commands, common) -> None:
         help="replace a component by a diffusers/transformers class and its config.json (built on the meta device; "
         "a transformers class needs transformers installed); repeatable",
     )
+    p.add_argument(
+        "--optimum",
+        action="store_true",
+        help="also compute the block optimum, the least bytes of any block schedule (seconds of numpy), and the "
+        "budget row's ratio to it",
+    )
     p.set_defaults(handler=run)
 
 
@@ -109,7 +115,9 @@ def run(args) -> int:
     check_request(**request)  # bad numbers are reported before a missing --model
     if not args.model:
         raise PlanError("plan needs --model (one of: " + ", ".join(shipped_models()) + ", or a spec path).", "--model")
-    result = plan(args.model, dtypes=args.dtype or (), components=args.component or (), **request)
+    result = plan(
+        args.model, dtypes=args.dtype or (), components=args.component or (), optimum=args.optimum, **request
+    )
     if args.json:
         output.emit_json(result)
     else:

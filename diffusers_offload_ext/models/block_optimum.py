@@ -107,3 +107,37 @@ def block_optimum(
         if reach.min() >= INF:
             return None
     return Optimum(after)
+
+
+#: Calls the programme walks for a plan's row: enough for the schedule to repeat (with a period of one or two calls).
+CALLS = 4
+LABEL = "block optimum (exact schedule)"
+
+
+def optimum_row(plans, hooked: Sequence[str], call: Sequence[str], sizes: Mapping[str, int], room: int, rate: int):
+    """A plan's `block_optimum` row (`models.block_compare`): the block optimum's first and steady generation (the
+    mean of the last two, the schedule may alternate), priced at `rate` (nothing hidden behind compute); `None` when
+    it cannot be computed (too many kept sets)."""
+    found = block_optimum((list(call) + [END]) * CALLS, plans.facts(hooked), sizes, room)
+    if found is None:
+        return None
+    first, steady = found.after_call[0], (found.after_call[-1] - found.after_call[-3]) / 2
+    return {
+        "label": LABEL,
+        "first_generation_bytes": first,
+        "steady_generation_bytes": steady,
+        "seconds_first": first / rate,
+        "seconds_steady": steady / rate,
+        "fits": True,
+    }
+
+
+def add_optimum(rows: dict, plans, hooked, call, sizes, room: int, rate: int) -> None:
+    """Add the block optimum's row to a plan's `rows`, and the budget row's ratio to it (`to_block_optimum`)."""
+    row = optimum_row(plans, hooked, call, sizes, room, rate)
+    if row is None:
+        return
+    rows["block_optimum"] = row
+    steady = rows["budget"]["steady_generation_bytes"]
+    if steady is not None and row["steady_generation_bytes"]:
+        rows["budget"]["to_block_optimum"] = steady / row["steady_generation_bytes"]

@@ -105,6 +105,7 @@ def plan(
     dtypes: Sequence[str] = (),
     components: Sequence[str] = (),
     activations: Optional[Union[str, int]] = None,
+    optimum: bool = False,
 ) -> dict:
     """Predicted transfers of each offload strategy for `model` on a card, and the call to use.
 
@@ -128,6 +129,9 @@ def plan(
         activations (`str` or `int`, *optional*): The activations of the call, when known (measured: the runtime
             reports them in `doe.offload_status(pipe).learnt`): the reserve is then them and a margin, as the runtime
             leaves once it has seen a call of that shape, instead of `reserve`.
+        optimum (`bool`, defaults to `False`): Also compute the block optimum (`models.block_optimum`: the least bytes
+            of any block schedule, exact over each component's blocks kept largest first; seconds of numpy), its row
+            in `block_residency` and the budget row's ratio to it (`to_block_optimum`).
 
     Returns:
         `dict`: JSON-ready, sizes in bytes: the model, card and request, `bandwidth` (assumed rates), `components`
@@ -173,7 +177,7 @@ def plan(
     recommended = recommend(entries, loaded, request, notes)
     result = _result(loaded, request, call, entries, recommended, notes)
     budget = strategies["residency"].budget if "residency" in strategies else None
-    result["block_residency"] = block_residency(loaded, request, call, plans, moved, budget)
+    result["block_residency"] = block_residency(loaded, request, call, plans, moved, budget, optimum)
     return result
 
 

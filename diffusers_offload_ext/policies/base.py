@@ -76,6 +76,9 @@ class Facts(NamedTuple):
             residency policy decides block by block (`residency/blockwise.py`). `None`: component by component.
         kept (`Mapping[str, Tuple[FrozenSet[str], int]]`, *optional*): For each component streaming its blocks now,
             the blocks it keeps on the device and the bytes of its ring (0 when its ring is not held).
+        runs (`Mapping[str, Mapping[int, FrozenSet[str]]]`, *optional*): For a component whose uses run different
+            blocks (a VAE's encode and decode), the blocks each use of it in a call ran (by its index in the call),
+            as learnt by its last stream; absent: every use runs the blocks `blocks` marks as run.
     """
 
     sizes: Mapping[str, int]
@@ -84,6 +87,7 @@ class Facts(NamedTuple):
     streaming: Optional[Mapping[str, int]] = None
     blocks: Optional[Mapping[str, tuple]] = None
     kept: Optional[Mapping[str, tuple]] = None
+    runs: Optional[Mapping[str, Mapping[int, FrozenSet[str]]]] = None
 
 
 class Policy:

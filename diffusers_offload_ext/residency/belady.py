@@ -19,7 +19,17 @@ from __future__ import annotations
 from typing import Callable, Dict, FrozenSet, Mapping, Optional, Sequence, Tuple
 
 from ..constants import END
-from .block_sets import Spec, footprint, kept_bytes, least_footprint, running_choice, shrunk, use_cost
+from .block_sets import (
+    Spec,
+    at_use,
+    footprint,
+    kept_bytes,
+    least_footprint,
+    running_choice,
+    shrunk,
+    use_cost,
+    use_indices,
+)
 
 Kept = Dict[str, FrozenSet[str]]
 INF = float("inf")
@@ -37,47 +47,77 @@ class Chooser:
         keep_between (`bool`): Whether what is kept stays from one call to the next (else a call's end empties it).
     """
 
-    def __init__(self, specs: Mapping[str, Spec], room_of: Callable[[str], int], keep_between: bool) -> None:
+    def __init__(
+        self, specs: Mapping[str, Spec], room_of: Callable[[str], int], keep_between: bool, runs=None
+    ) -> None:
         self.specs, self.room_of, self.keep_between = dict(specs), room_of, keep_between
+        self.runs = {name: dict(found) for name, found in (runs or {}).items()}
         self.memo: Dict[tuple, object] = {}
 
+    def spec_at(self, name: str, index: int) -> Spec:
+        """`name`'s blocks at use `index` of it in its call (which of them that use runs, where known)."""
+        return at_use(self.specs[name], self.runs.get(name, {}).get(index))
+
     # -- one decision -----------------------------------------------------------------------------------------------
-    def decide(self, name: str, kept: Kept, upcoming: Sequence[str], room: Optional[int] = None) -> Optional[Kept]:
+    def decide(
+        self,
+        name: str,
+        kept: Kept,
+        upcoming: Sequence[str],
+        room: Optional[int] = None,
+        guesses: Sequence = (),
+        done: Sequence[str] = (),
+    ) -> Optional[Kept]:
         """What every component keeps while `name` runs (in `room`, its own room if not given), given what they keep
-        (`kept`) and the predicted events after this use (`upcoming`, `END` between calls); `None` when `name` cannot
-        run within its room even alone."""
-        upcoming = tuple(upcoming)
-        key = ("decide", name, _frozen(kept), upcoming, room)
+        (`kept`) and the predicted events after this use (`upcoming`, `END` between calls; `done`: the uses of this
+        call so far, this one included); `None` when `name` cannot run within its room even alone. With `guesses`
+        (other predictions, on a first call), the choice whose worst regret over `upcoming` and them is least."""
+        upcoming, guesses, done = tuple(upcoming), tuple(tuple(g) for g in guesses), tuple(done)
+        counts = tuple(sorted((n, done.count(n)) for n in set(done)))
+        key = ("decide", name, _frozen(kept), upcoming, room, guesses, counts)
         if key in self.memo:
             return self.memo[key]
-        nexts = _next_uses(upcoming)
-        base = self.allocate(name, kept, nexts, room=room)
-        sooner = [n for n in sorted(kept) if n != name and kept[n] and nexts.get(n, INF) < nexts.get(name, INF)]
-        candidates = [base] + [self.allocate(name, kept, nexts, late=(n,), room=room) for n in sooner]
+        nexts, index = _next_uses(upcoming), max(done.count(name) - 1, 0)
+        base = self.allocate(name, kept, nexts, room=room, index=index)
+        others = [n for n in sorted(kept) if n != name and kept[n]]
+        sooner = [n for n in others if nexts.get(n, INF) < nexts.get(name, INF)] if not guesses else others
+        candidates = [base] + [self.allocate(name, kept, nexts, late=(n,), room=room, index=index) for n in sooner]
         if len(sooner) > 1:
-            candidates.append(self.allocate(name, kept, nexts, late=tuple(sooner), room=room))
+            candidates.append(self.allocate(name, kept, nexts, late=tuple(sooner), room=room, index=index))
         candidates = [c for c in candidates if c is not None]
         if len(candidates) > 1:
-            stop = min(nexts.get(name, len(upcoming)), len(upcoming) - 1) + 1
-            scored = []
-            for index, candidate in enumerate(candidates):
-                cost = use_cost(self.specs[name], kept.get(name, ()), candidate[name])
-                scored.append((cost + self.rollout(candidate, upcoming[:stop]), index))
-            base = candidates[min(scored)[1]]
+            costs = [
+                [self._valued(name, kept, c, events, done, index) for c in candidates]
+                for events in (upcoming,) + guesses
+            ]
+            regret = [max(row[i] - min(row) for row in costs) for i in range(len(candidates))]
+            base = candidates[min(range(len(candidates)), key=lambda i: (regret[i], sum(r[i] for r in costs), i))]
         return self._remember(key, base)
 
+    def _valued(self, name: str, kept: Kept, candidate: Kept, events: Sequence[str], done, index: int) -> float:
+        """What `candidate` costs: this use, and Belady's rule over `events` up to `name`'s next use."""
+        stop = min(_next_uses(events).get(name, len(events)), len(events) - 1) + 1
+        now = use_cost(self.spec_at(name, index), kept.get(name, ()), candidate[name])
+        return now + self.rollout(candidate, events[:stop], done)
+
     def allocate(
-        self, name: str, kept: Kept, nexts: Mapping[str, int], late: Tuple[str, ...] = (), room: Optional[int] = None
+        self,
+        name: str,
+        kept: Kept,
+        nexts: Mapping[str, int],
+        late: Tuple[str, ...] = (),
+        room: Optional[int] = None,
+        index: int = 0,
     ) -> Optional[Kept]:
-        """Belady's rule for the use of `name` (see the module docstring) in `room` (its own if not given);
-        components in `late` rank after it."""
+        """Belady's rule for use `index` of `name` in its call (see the module docstring) in `room` (its own if not
+        given); components in `late` rank after it."""
         others = [n for n in kept if n != name and kept[n]]
         order = tuple(sorted(others + [name], key=lambda n: (n in late, nexts.get(n, INF), n != name, n)))
         room = self.room_of(name) if room is None else room
-        key = ("allocate", name, _frozen(kept), order, room)
+        spec = self.spec_at(name, index)
+        key = ("allocate", name, _frozen(kept), order, room, tuple(item.uses for item in spec.items))
         if key in self.memo:
             return self.memo[key]
-        spec = self.specs[name]
         reserve = least_footprint(spec)
         if reserve > room:
             return self._remember(key, None)
@@ -100,9 +140,10 @@ class Chooser:
                     new[n], left = new[n] | {item.key}, left - item.nbytes
         return self._remember(key, {n: blocks for n, blocks in new.items() if blocks})
 
-    def rollout(self, kept: Kept, events: Sequence[str]) -> float:
-        """Bytes copied over `events` from `kept` on, each use decided by Belady's rule alone."""
-        total = 0
+    def rollout(self, kept: Kept, events: Sequence[str], done: Sequence[str] = ()) -> float:
+        """Bytes copied over `events` (after the uses `done` of this call) from `kept` on, each use decided by
+        Belady's rule alone."""
+        total, uses = 0, use_indices(events, done)
         for index, event in enumerate(events):
             if event == END:
                 if not self.keep_between:
@@ -110,10 +151,10 @@ class Chooser:
                 continue
             if event not in self.specs:
                 continue
-            new = self.allocate(event, kept, _next_uses(events[index + 1 :]))
+            new = self.allocate(event, kept, _next_uses(events[index + 1 :]), index=uses[index])
             if new is None:
                 return INF
-            total += use_cost(self.specs[event], kept.get(event, ()), new[event])
+            total += use_cost(self.spec_at(event, uses[index]), kept.get(event, ()), new[event])
             kept = new
         return total
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..blocks.choice import DEPTH, Item
+from ..constants import END
 
 #: The one block of a component that cannot stream (no repeated blocks, or a tensor that cannot pass a ring).
 WHOLE = "<whole>"
@@ -20,6 +21,9 @@ WHOLE = "<whole>"
 REST = "<rest>"
 #: Most partial sums `fill` keeps before it answers greedily instead of exactly.
 MAX_SUMS = 4096
+#: Most blocks (of all offloaded components together) whose choice is valued exactly (`block_tables.py`: 2**MAX_BLOCKS
+#: sets per table); above, Belady's rule with roll-outs (`belady.py`).
+MAX_BLOCKS = 14
 
 
 class Spec(NamedTuple):
@@ -55,6 +59,34 @@ def spec_of(name: str, blocks: Optional[Sequence], size: int) -> Spec:
     items = tuple(Item(*item) for item in blocks)
     forced = frozenset(item.key for item in items if item.key == REST)
     return Spec(name, items, forced, len(items) > 1)
+
+
+def at_use(spec: Spec, runs: Optional[Iterable[str]]) -> Spec:
+    """`spec` for one use that runs the blocks `runs` (its rest always; `None`: as `spec` says): a VAE's encode runs
+    its encoder blocks, its decode its decoder blocks."""
+    if runs is None or not spec.streams:
+        return spec
+    runs = set(runs)
+    return spec._replace(
+        items=tuple(item._replace(uses=int(item.key == REST or item.key in runs)) for item in spec.items)
+    )
+
+
+def use_indices(events: Sequence[str], done: Iterable[str] = ()) -> List[int]:
+    """For each event of `events` (`END` between calls), which use of its component in its call it is (0 for the
+    first), the uses `done` already in the call in progress counted."""
+    counts: Dict[str, int] = {}
+    for name in done:
+        counts[name] = counts.get(name, 0) + 1
+    found = []
+    for event in events:
+        if event == END:
+            counts, index = {}, -1
+        else:
+            index = counts.get(event, 0)
+            counts[event] = index + 1
+        found.append(index)
+    return found
 
 
 def whole(spec: Spec) -> Spec:

@@ -16,10 +16,8 @@ from typing import Dict, FrozenSet, List, Mapping, Sequence, Tuple
 import numpy as np
 
 from ..constants import END
-from .block_sets import Spec, least_footprint
+from .block_sets import MAX_BLOCKS, Spec, at_use, least_footprint, use_indices
 
-#: Most blocks (of all offloaded components together) valued exactly: 2**MAX_BLOCKS sets per table.
-MAX_BLOCKS = 14
 #: Value-iteration rounds for the steady values of a repeated call.
 MAX_ROUNDS = 24
 INF = float("inf")
@@ -34,8 +32,10 @@ class BlockUniverse:
         avail (`int`): The budget for offloaded components (for the cache key of the forecasts).
     """
 
-    def __init__(self, specs: Mapping[str, Spec], rooms: Mapping[str, int], avail: int) -> None:
+    def __init__(self, specs: Mapping[str, Spec], rooms: Mapping[str, int], avail: int, runs=None) -> None:
         self.names = tuple(specs)
+        #: The blocks each use of a component runs, where known (`Facts.runs`: name -> use index -> blocks).
+        self.runs = {n: dict(runs[n]) for n in self.names if runs and n in runs}
         self.specs = dict(specs)
         self.bits: List[Tuple[str, str]] = [(n, item.key) for n in self.names for item in specs[n].items]
         self.n = len(self.bits)
@@ -44,30 +44,29 @@ class BlockUniverse:
         self.index = {name: i for i, name in enumerate(self.names)}
         self.avail = avail
         #: What the tables depend on besides the events (`Forecaster`'s cache key).
-        self.sizes = self.signature(specs, rooms)
+        self.sizes = self.signature(specs, rooms, self.runs)
         self.full = 1 << self.n
         m = np.arange(self.full, dtype=np.int64)
         self.masks = m
         self.nb = np.zeros(self.full)
-        self.used = np.zeros(self.full)
         position = 0
-        self.cmask, self.used_total, self.feasible = {}, {}, {}
+        self.cmask, self.feasible, self._used = {}, {}, {}
         for name in self.names:
-            spec, first = specs[name], position
-            for item in spec.items:
-                on = (m >> position) & 1
-                self.nb += on * item.nbytes
-                self.used += on * (item.nbytes if item.uses else 0)
+            first = position
+            for item in specs[name].items:
+                self.nb += ((m >> position) & 1) * item.nbytes
                 position += 1
             self.cmask[name] = ((1 << position) - 1) ^ ((1 << first) - 1)
-            self.used_total[name] = sum(item.nbytes for item in spec.items if item.uses)
         for name in self.names:
             self.feasible[name] = self._feasible(name, int(rooms[name]))
 
     @staticmethod
-    def signature(specs: Mapping[str, Spec], rooms: Mapping[str, int]) -> tuple:
-        """What the tables of `specs` within `rooms` depend on besides the events."""
-        return tuple((n, spec.items, spec.forced, spec.streams, int(rooms[n])) for n, spec in specs.items())
+    def signature(specs: Mapping[str, Spec], rooms: Mapping[str, int], runs=None) -> tuple:
+        """What the tables of `specs` within `rooms` (each use running `runs`) depend on besides the events."""
+        known = {n: tuple(sorted((i, tuple(sorted(b))) for i, b in runs[n].items())) for n in runs or {} if n in specs}
+        return tuple(
+            (n, spec.items, spec.forced, spec.streams, int(rooms[n]), known.get(n)) for n, spec in specs.items()
+        )
 
     def _feasible(self, name: str, room: int) -> np.ndarray:
         """Sets `name` may run with: they and its ring fit `room`, and it is whole or keeps its rest."""
@@ -111,27 +110,42 @@ class BlockUniverse:
     def _bits_of(self, name: str) -> List[int]:
         return [i for i, (owner, _) in enumerate(self.bits) if owner == name]
 
-    def before_use(self, after: np.ndarray, name: str) -> np.ndarray:
-        """Values before a use of `name`, from the values after it: the least over the sets it may run with (any
-        other blocks evicted first, any of its own kept or newly kept) of the bytes the use copies plus their value."""
-        cmask = self.cmask[name]
+    def used(self, name: str, index: int) -> Tuple[np.ndarray, float]:
+        """`(bytes of the blocks it runs in each set, bytes of all it runs)` for use `index` of `name` in its call."""
+        spec = at_use(self.specs[name], self.runs.get(name, {}).get(index))
+        key = (name, tuple(item.uses for item in spec.items))
+        if key not in self._used:
+            first, used = self.bits.index((name, spec.items[0].key)), np.zeros(self.full)
+            for offset, item in enumerate(spec.items):
+                used += ((self.masks >> (first + offset)) & 1) * (item.nbytes if item.uses else 0)
+            self._used[key] = used, float(sum(item.nbytes for item in spec.items if item.uses))
+        return self._used[key]
+
+    def before_use(self, after: np.ndarray, name: str, index: int = 0) -> np.ndarray:
+        """Values before use `index` of `name` in its call, from the values after it: the least over the sets it may
+        run with (any other blocks evicted first, any of its own kept or newly kept) of the bytes the use copies plus
+        their value."""
+        cmask, (used, total) = self.cmask[name], self.used(name, index)
         masked = np.where(self.feasible[name], after, INF)
-        unused = self.nb[self.masks & cmask] - self.used[self.masks & cmask]  # newly kept blocks it does not run
+        unused = self.nb[self.masks & cmask] - used[self.masks & cmask]  # newly kept blocks it does not run
         # Copied: its newly kept blocks and the streamed blocks it runs; its blocks kept before are not.
         best = self._superset_min(masked + unused, name) - self.nb[self.masks & cmask]
-        return self.used_total[name] + self._subset_min(best)
+        return total + self._subset_min(best)
 
-    def backward(self, events: Sequence[str], terminal: np.ndarray, keep_between: bool) -> List[np.ndarray]:
-        """`tables[k][mask]`: least future bytes before `events[k]` with `mask` kept; `tables[-1]` = terminal."""
+    def backward(
+        self, events: Sequence[str], terminal: np.ndarray, keep_between: bool, done: Sequence[str] = ()
+    ) -> List[np.ndarray]:
+        """`tables[k][mask]`: least future bytes before `events[k]` with `mask` kept; `tables[-1]` = terminal. `done`:
+        the uses of the call in progress before `events[0]` (which use of its component each event is)."""
         tables: List[np.ndarray] = [terminal] * (len(events) + 1)
-        values = terminal
+        values, indices = terminal, use_indices(events, done)
         for k in range(len(events) - 1, -1, -1):
             event = events[k]
             if event == END:
                 if not keep_between:
                     values = np.full(self.full, values[0])
             elif event in self.cmask:
-                values = self.before_use(values, event)
+                values = self.before_use(values, event, indices[k])
             tables[k] = values
         return tables
 
@@ -168,12 +182,13 @@ class BlockUniverse:
                 found.setdefault(name, set()).add(key)
         return {name: frozenset(keys) for name, keys in found.items()}
 
-    def choose(self, name: str, kept: Mapping[str, FrozenSet[str]], after: np.ndarray) -> Dict[str, FrozenSet[str]]:
-        """What every component keeps while `name` runs, from `kept`, for the least bytes now plus `after` (the values
-        after this use); ties keep the most bytes."""
+    def choose(self, name: str, kept: Mapping[str, FrozenSet[str]], after: np.ndarray, index: int = 0):
+        """What every component keeps while `name` runs (use `index` of it in its call), from `kept`, for the least
+        bytes now plus `after` (the values after this use); ties keep the most bytes."""
         state, cmask, m = self.mask(kept), self.cmask[name], self.masks
+        used, total = self.used(name, index)
         allowed = ((m & ~cmask & ~state) == 0) & self.feasible[name]
-        cost = self.nb[m & cmask & ~state] + self.used_total[name] - self.used[m & cmask] + after
+        cost = self.nb[m & cmask & ~state] + total - used[m & cmask] + after
         cost = np.where(allowed, cost, INF)
         low = cost.min()
         ties = np.nonzero(cost <= low)[0]

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from typing import AbstractSet, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
-from ..constants import KEEP, OFFLOAD, ONLOAD, STREAM
+from ..constants import END, KEEP, OFFLOAD, ONLOAD, STREAM
 from ..policies.base import Decision, Facts, Keep, Overflow
 from ..units import format_size
 from .belady import Chooser, next_use_words
-from .block_sets import Spec, footprint, kept_bytes, ring_bytes, spec_of, use_cost
-from .block_tables import MAX_BLOCKS, BlockUniverse
+from .prediction import chain_after
+from .block_sets import MAX_BLOCKS, Spec, at_use, footprint, kept_bytes, ring_bytes, spec_of, use_cost
 
 Kept = Dict[str, FrozenSet[str]]
 
@@ -68,7 +68,7 @@ def use_in_blocks(policy, name: str, resident: AbstractSet[str], facts: Facts) -
             new = safe
     if new is None:  # it cannot run in its room even alone: everything else goes, and it runs alone (with a warning)
         return _alone(policy, name, kept, specs, room)
-    _count(policy, name, kept, new, specs)
+    _count(policy, name, kept, new, at_use(specs[name], _runs(facts).get(name, {}).get(_index(policy, name))), specs)
     return _decision(policy, name, kept, new, specs, facts, room, upcoming)
 
 
@@ -103,14 +103,27 @@ def _alone(policy, name: str, kept: Kept, specs: Mapping[str, Spec], room: int) 
 
 def _chooser(policy, specs: Mapping[str, Spec], facts: Facts) -> Chooser:
     """The policy's `Chooser` for these blocks and rooms (kept, with what it remembers, while they stay the same)."""
-    rooms = _rooms(policy, specs, facts)
-    key = (tuple(specs.items()), tuple(sorted(rooms.items())), policy.keep_between)
+    rooms, runs = _rooms(policy, specs, facts), _runs(facts)
+    key = (tuple(specs.items()), tuple(sorted(rooms.items())), policy.keep_between, repr(sorted(runs.items())))
     chooser = policy.__dict__.get("_block_chooser")
     if chooser is None or chooser.key != key:
-        chooser = Chooser(specs, rooms.__getitem__, policy.keep_between)
+        chooser = Chooser(specs, rooms.__getitem__, policy.keep_between, runs)
         chooser.key = key
         policy.__dict__["_block_chooser"] = chooser
     return chooser
+
+
+def _runs(facts: Facts) -> Dict[str, Dict[int, FrozenSet[str]]]:
+    """`Facts.runs` as plain dicts (the blocks each use of a component runs, where learnt)."""
+    return {
+        name: {index: frozenset(blocks) for index, blocks in found.items()}
+        for name, found in (facts.runs or {}).items()
+    }
+
+
+def _index(policy, name: str) -> int:
+    """Which use of `name` in the call in progress this one is (0 for the first)."""
+    return max(list(policy.calls.current).count(name) - 1, 0)
 
 
 def _rooms(policy, specs: Mapping[str, Spec], facts: Facts) -> Dict[str, int]:
@@ -121,17 +134,43 @@ def _rooms(policy, specs: Mapping[str, Spec], facts: Facts) -> Dict[str, int]:
 def _choose(policy, name, kept: Kept, specs, room: int, facts: Facts, upcoming) -> Optional[Kept]:
     """Exact for a few blocks (in the room the tables were made for), Belady's rule with roll-outs otherwise."""
     names = [n for n in policy.offloaded if n in set(policy.model) | {name} | set(kept)]
-    if sum(len(specs[n].items) for n in names) <= MAX_BLOCKS:
+    if sum(len(specs[n].items) for n in names) <= MAX_BLOCKS and not _guesses(policy, upcoming):
+        from .block_tables import BlockUniverse  # numpy, only for the few blocks valued exactly
+
         chosen = {n: specs[n] for n in names}
         rooms = _rooms(policy, chosen, facts)
         if rooms[name] == room:
             forecaster = policy.block_forecaster
-            if forecaster.universe is None or forecaster.universe.sizes != BlockUniverse.signature(chosen, rooms):
-                forecaster.universe, forecaster.forecast = BlockUniverse(chosen, rooms, policy.avail), None
+            runs = _runs(facts)
+            if forecaster.universe is None or forecaster.universe.sizes != BlockUniverse.signature(
+                chosen, rooms, runs
+            ):
+                forecaster.universe, forecaster.forecast = BlockUniverse(chosen, rooms, policy.avail, runs), None
             learned = bool(policy.calls.history)
             after = forecaster.values(policy.calls.current, policy.model, policy.chain, learned)
-            return forecaster.universe.choose(name, kept, after)
-    return _chooser(policy, specs, facts).decide(name, kept, upcoming, room=room)
+            return forecaster.universe.choose(name, kept, after, _index(policy, name))
+    chooser = _chooser(policy, specs, facts)
+    guesses = _guesses(policy, upcoming)
+    return chooser.decide(name, kept, upcoming, room=room, guesses=guesses, done=policy.calls.current)
+
+
+def _guesses(policy, upcoming) -> tuple:
+    """On a first call (nothing learned yet), at a component not seen before in it: other guesses about the rest of
+    the call, so that a wrong prediction costs little either way: a loop with the component before it
+    (`Forecaster.first_call_events`: a preview decode between steps), and the component running again at once (a
+    denoiser's steps)."""
+    current = policy.calls.current
+    if policy.calls.history or not current or current[-1] in current[:-1]:
+        return ()
+    name, tail = current[-1], [END] + (list(policy.chain) if policy.keep_between else [])
+    guesses = list(policy.forecaster.first_call_events(current, policy.model, policy.chain) or ())
+    guesses.append([name] * 8 + chain_after((name,), policy.chain))
+    found = []
+    for guess in guesses:
+        events = list(guess) + tail
+        if events != list(upcoming) and events not in found:
+            found.append(events)
+    return tuple(found)
 
 
 def _risk(policy, name: str, kept: Kept, new: Kept, specs: Mapping[str, Spec]) -> int:
@@ -151,10 +190,10 @@ def _risk(policy, name: str, kept: Kept, new: Kept, specs: Mapping[str, Spec]) -
     return risk + use_cost(specs[name], kept.get(name, ()), new[name]) - shadow.credit
 
 
-def _count(policy, name: str, kept: Kept, new: Kept, specs: Mapping[str, Spec]) -> None:
-    """Tell the shadow of stock's chain what this use copies and evicts."""
+def _count(policy, name: str, kept: Kept, new: Kept, spec: Spec, specs: Mapping[str, Spec]) -> None:
+    """Tell the shadow of stock's chain what this use (`spec`: what it runs) copies and evicts."""
     dropped = sum(kept_bytes(specs[n], blocks - new.get(n, frozenset())) for n, blocks in kept.items() if n != name)
-    policy.shadow.count(onloaded=use_cost(specs[name], kept.get(name, ()), new[name]), evicted=dropped)
+    policy.shadow.count(onloaded=use_cost(spec, kept.get(name, ()), new[name]), evicted=dropped)
 
 
 def _decision(policy, name, kept: Kept, new: Kept, specs, facts: Facts, room: int, upcoming) -> Decision:

@@ -10,7 +10,7 @@ from ..ledger import TransferLedger
 from ..marks import get_session
 from ..transfer import ON_DEVICE
 from ..recovery.activations import LearntShape
-from ..blocks.streams import BlockStatus
+from ..blocks.status import BlockStatus
 from .session import session_of
 
 

@@ -132,6 +132,8 @@ class Session:
         decision = self.policy.on_use(name, placement.resident, self.facts)
         if decision is not NOTHING:
             self.carry_out(decision)
+        if calls.depth:
+            self.streams.begin_use(name, calls.current.count(name) - 1)
         if self.transfer.pending:
             self.transfer.ready(placement.modules[name])
         self.activations.open(self.device, lambda: held_bytes(self), name)
@@ -252,7 +254,13 @@ def _facts(placement: Placement) -> Facts:
     """What the policy is told with each event, read live from `placement` (sizes once armed: `decide_with`)."""
     streams = placement.streams
     return Facts(
-        Sizes(placement, None), None, placement.stream_rooms, streams.held, placement.block_facts, streams.kept
+        Sizes(placement, None),
+        None,
+        placement.stream_rooms,
+        streams.held,
+        placement.block_facts,
+        streams.kept,
+        streams.runs,
     )
 
 
