@@ -54,14 +54,14 @@ def run_cli(capsys, *argv):
     return code, out, err
 
 
-def run_process(*argv, env=None, timeout=120):
+def run_process(*argv, env=None, timeout=120, module="diffusers_offload_ext.cli"):
     """The command in a fresh interpreter, stdout piped (as `| less` would), `COLUMNS` unset unless given."""
     environment = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     environment["PYTHONPATH"] = os.pathsep.join([ROOT] + sys.path)
     environment.update(env or {})
     started = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "diffusers_offload_ext.cli", *argv],
+        [sys.executable, "-m", module, *argv],
         capture_output=True,
         text=True,
         env=environment,
@@ -603,8 +603,19 @@ def test_doctor(capsys, monkeypatch):
 def test_the_console_entry_point_and_the_module_agree():
     done, _ = run_process("plan", "--model", "nope", "--json")
     assert done.returncode == 2 and json.loads(done.stdout)["exit_code"] == 2
+    # `python -m diffusers_offload_ext` is the same command (issue 34, point 7).
+    done, _ = run_process("plan", "--model", "nope", "--json", module="diffusers_offload_ext")
+    assert done.returncode == 2 and json.loads(done.stdout)["exit_code"] == 2, done.stderr
     with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as f:
         assert '"diffusers-offload=diffusers_offload_ext.cli:main"' in f.read()
+
+
+def test_doctor_says_nothing_before_its_report():
+    """transformers warns at import when torchvision is missing (diffusers' pipelines import its image processors):
+    not a line about offload, and not the report's first (issue 34, point 7)."""
+    done, _ = run_process("doctor", "--no-bandwidth")
+    assert done.returncode == 0 and done.stdout.splitlines()[0] == "diffusers-offload doctor"
+    assert "transformers" not in done.stderr and "torchvision" not in done.stderr, done.stderr
 
 
 def test_bandwidth_measures_real_copies_on_the_simulated_accelerator():
