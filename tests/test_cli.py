@@ -149,7 +149,7 @@ def test_plan_with_a_preview_an_fp8_transformer_and_two_bandwidths(capsys):
 def test_plan_residency_keeps_everything_that_fits(capsys):
     code, out, _ = run_cli(
         capsys, "plan", "--model", "flux-dev", "--steps", "4", "--generations", "3", "--preview", "--json",
-        "--dtype", "denoiser=fp8",
+        "--dtype", "denoiser=fp8", "--reserve", "3GiB",
     )  # fmt: skip
     assert code == 0
     result = json.loads(out)
@@ -238,7 +238,9 @@ def test_the_recommended_budget_is_rounded_down():
 
 
 def test_plan_table_output(capsys):
-    code, out, _ = run_cli(capsys, "plan", "--model", "flux-schnell", "--steps", "4", "--generations", "2")
+    code, out, _ = run_cli(
+        capsys, "plan", "--model", "flux-schnell", "--steps", "4", "--generations", "2", "--details"
+    )
     assert code == 0
     assert "FLUX.1 [schnell]" in out and "11,891,178,560" in out  # schnell has no guidance embedding
     for label, call in [
@@ -247,7 +249,7 @@ def test_plan_table_output(capsys):
         ("keep", "keep_on_device_during_generation=True"),
     ]:
         assert any(line.startswith(label) and call in line for line in out.splitlines()), label
-    assert "Recommended" in out and "ASSUMED" in out and "GiB" in out and " GB " not in out
+    assert "Use (" in out and "Runner-up (" in out and "ASSUMED" in out and "GiB" in out and " GB " not in out
 
 
 def test_every_shipped_model_has_a_valid_spec():
@@ -455,7 +457,7 @@ def test_output_fits_80_columns_when_piped_and_honours_columns(columns):
         widest = max(done.stdout.splitlines(), key=len)
         assert len(widest) <= limit, (argv, widest)
     # The strategies stay apart at 80 columns: short labels, each with its call in the legend.
-    done, _ = run_process("plan", "--model", "flux-dev", env=env)
+    done, _ = run_process("plan", "--model", "flux-dev", "--details", env=env)
     labels = [line.split()[0] for line in done.stdout.splitlines() if line.startswith(("stock ", "exclude ", "keep "))]
     assert set(labels) == {"stock", "exclude", "keep"}
 
@@ -464,7 +466,7 @@ def test_output_is_wider_when_columns_says_so(capsys, monkeypatch):
     from diffusers_offload_ext.cli import plan as plan_command
 
     result = plan("flux-dev")
-    narrow, wide = plan_command.render(result, 60), plan_command.render(result, 200)
+    narrow, wide = plan_command.render(result, 60, details=True), plan_command.render(result, 200, details=True)
     assert max(map(len, narrow)) <= 60 < max(map(len, wide)) and len(wide) < len(narrow)
     monkeypatch.setenv("COLUMNS", "132")
     assert cli.output.width() == 132
