@@ -542,7 +542,7 @@ def test_demo(capsys):
     assert code == 0
     result = json.loads(out)
     configs = result["configurations"]
-    assert set(configs) == {"stock", "exclude_transformer", "keep_during_generation"}
+    assert set(configs) == {"stock", "exclude_transformer", "keep_during_generation", "memory_budget"}
     # Stock with a preview: text encoders, the VAE once, the transformer at each of the 3 steps.
     assert configs["stock"]["onloads_per_generation"] == 6
     assert configs["exclude_transformer"]["onloads_per_generation"] == 3
@@ -554,10 +554,21 @@ def test_demo(capsys):
     assert configs["exclude_transformer"]["real_bytes_at_enable"] == real["transformer"]
     assert configs["keep_during_generation"]["real_peak_bytes"] == sum(real.values())
     assert configs["stock"]["real_peak_bytes"] == real["transformer"] + real["vae"]
-    assert all(c["real_fits_24gib_card"] for c in configs.values())
+    assert all(c["real_fits_card"] for c in configs.values())
+    assert {c["real_card_bytes"] for k, c in configs.items() if k != "memory_budget"} == {24 * GiB}
+    # The budget (issue 34, point 7): the tiny pipeline keeps all but T5 between calls, so from the second call on
+    # only T5 moves; the real figures are the plan's on a 16 GiB card.
+    budget = configs["memory_budget"]
+    assert budget["tiny_bytes_per_generation"] < configs["exclude_transformer"]["tiny_bytes_per_generation"]
+    planned = plan("flux-dev", vram="16GiB", dtypes=["transformer=fp8"], steps=3, generations=2, preview=True)
+    assert (
+        budget["real_call"] == planned["strategies"]["residency"]["call"] and "memory_budget=" in budget["real_call"]
+    )
+    assert budget["real_card_bytes"] == 16 * GiB and budget["real_peak_bytes"] < 16 * GiB
     assert result["bandwidth"]["assumed"] is True
     code, out, _ = run_cli(capsys, "demo", "--steps", "2", "--generations", "1")
     assert code == 0 and "keep_on_device_during_generation=True" in out and "ASSUMED" in out
+    assert "memory_budget" in out and "transformers" not in out
     assert max(len(line) for line in out.splitlines()) <= 80
     assert not doe.is_installed()
 

@@ -5,7 +5,6 @@ accelerators, whether the installed diffusers already has the upstream patch's a
 from __future__ import annotations
 
 import ast
-import contextlib
 import importlib.util
 import os
 import platform
@@ -28,31 +27,13 @@ def add_parser(commands, common) -> None:
 
 
 def run(args) -> int:
-    with quiet_transformers():
+    with output.quiet_transformers():
         report = doctor(measure=not args.no_bandwidth)
     if args.json:
         output.emit_json(report)
     else:
         output.write(render(report, output.width()))
     return 0
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    """transformers' warnings at import (a missing torchvision, when diffusers' pipelines are imported to read their
-    methods) silenced while the report is made: they are about transformers, not offload, and would open the
-    report. Without transformers, nothing to do."""
-    try:
-        from transformers.utils import logging as transformers_logging
-    except ImportError:
-        yield
-        return
-    before = transformers_logging.get_verbosity()
-    transformers_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers_logging.set_verbosity(before)
 
 
 def doctor(measure: bool = True) -> dict:
