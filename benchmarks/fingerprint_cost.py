@@ -22,7 +22,7 @@ import time
 import torch
 
 from diffusers_offload_ext.transfer import fingerprint as current
-from diffusers_offload_ext.transfer.bandwidth import best_seconds
+from diffusers_offload_ext.pinning.bandwidth import best_seconds
 
 
 def previous_module(commit: str):

@@ -41,7 +41,9 @@ from diffusers_offload_ext.models import load_model
 from diffusers_offload_ext.models.block_compare import global_plan
 from diffusers_offload_ext.models.block_model import REST, BlockPlans, block_bytes, replay_streaming, spec_entry
 from diffusers_offload_ext.models.strategies import chain_strategies, residency_strategy
-from diffusers_offload_ext.policies import Item, optimal_bytes, replay_trace
+from diffusers_offload_ext.blocks.choice import Item
+from diffusers_offload_ext.residency.optimum import optimal_bytes
+from diffusers_offload_ext.policies import replay_trace
 
 GiB = 1 << 30
 BUDGETS_GIB = (8, 12, 16, 24, 48, 80)

@@ -13,9 +13,10 @@ pytest.importorskip("diffusers_offload_ext", reason="plugin-only: out-of-memory 
 from diffusers_offload_ext.cli import main  # noqa: E402
 from diffusers_offload_ext.constants import GiB, MiB, OFFLOAD, ONLOAD, STREAM  # noqa: E402
 from diffusers_offload_ext.models import plan  # noqa: E402
-from diffusers_offload_ext.policies import NOTHING, ChainPolicy, Facts, ResidencyPolicy  # noqa: E402
-from diffusers_offload_ext.policies.reserve import MARGIN_FLOOR, MAX_MISSES, reserve_for  # noqa: E402
-from diffusers_offload_ext.runtime.activations import MAX_SHAPES, Activations, call_shape  # noqa: E402
+from diffusers_offload_ext.policies import NOTHING, ChainPolicy, Facts  # noqa: E402
+from diffusers_offload_ext.residency.policy import ResidencyPolicy  # noqa: E402
+from diffusers_offload_ext.residency.reserve import MARGIN_FLOOR, MAX_MISSES, reserve_for  # noqa: E402
+from diffusers_offload_ext.recovery.activations import MAX_SHAPES, Activations, call_shape  # noqa: E402
 from diffusers_offload_ext.transfer import memory  # noqa: E402
 
 pytestmark = pytest.mark.plugin_only

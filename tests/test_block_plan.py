@@ -15,14 +15,14 @@ pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the planner")
 
 import diffusers_offload_ext as doe  # noqa: E402
 from diffusers_offload_ext import cli  # noqa: E402
-from diffusers_offload_ext.blocks import REST  # noqa: E402
+from diffusers_offload_ext.blocks.find import REST  # noqa: E402
 from diffusers_offload_ext.constants import END  # noqa: E402
 from diffusers_offload_ext.models import load_model, plan  # noqa: E402
 from diffusers_offload_ext.models.block_compare import global_plan  # noqa: E402
 from diffusers_offload_ext.models.block_model import BlockPlans  # noqa: E402
 from diffusers_offload_ext.models.specs import load_spec  # noqa: E402
 from diffusers_offload_ext.models.strategies import all_strategies  # noqa: E402
-from diffusers_offload_ext.policies import Item, least_room, choose_blocks  # noqa: E402
+from diffusers_offload_ext.blocks.choice import Item, least_room, choose_blocks  # noqa: E402
 
 pytestmark = pytest.mark.plugin_only
 GiB = 1 << 30

@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: block residency")
 
-from diffusers_offload_ext.blocks import REST, block_sizes, find_blocks  # noqa: E402
-from diffusers_offload_ext.policies import Item, blocks_ahead, choose_blocks, keep_most_used, least_room  # noqa: E402
-from diffusers_offload_ext.policies import streamed_bytes  # noqa: E402
+from diffusers_offload_ext.blocks.find import REST, block_sizes, find_blocks  # noqa: E402
+from diffusers_offload_ext.blocks.choice import Item, choose_blocks, keep_most_used, least_room  # noqa: E402
+from diffusers_offload_ext.blocks.prefetch import blocks_ahead  # noqa: E402
+from diffusers_offload_ext.blocks.choice import streamed_bytes  # noqa: E402
 
 pytestmark = pytest.mark.plugin_only
 

@@ -15,11 +15,11 @@ from simulated_accelerator import SimulatedAccelerator
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: block streaming")
 
 import diffusers_offload_ext as doe  # noqa: E402
-from diffusers_offload_ext.blocks import REST, block_sizes  # noqa: E402
+from diffusers_offload_ext.blocks.find import REST, block_sizes  # noqa: E402
 from diffusers_offload_ext.testing import tiny  # noqa: E402
 from diffusers_offload_ext.testing.page_locking import fake_page_locking  # noqa: E402
 from diffusers_offload_ext.testing.copy_stream import fake_cuda  # noqa: E402
-from diffusers_offload_ext.transfer.ring import ALIGN, Ring, aligned_nbytes  # noqa: E402
+from diffusers_offload_ext.blocks.ring import ALIGN, Ring, aligned_nbytes  # noqa: E402
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.usefixtures("installed")]
 NAME = "flux"
@@ -497,7 +497,7 @@ def test_the_largest_component_of_every_tiny_pipeline_streams_under_a_budget_bel
     ok, why = tiny.available(name)
     if not ok:
         pytest.skip(why)  # the oldest diffusers supported has no such pipeline
-    from diffusers_offload_ext.runtime.block_streams import block_choice
+    from diffusers_offload_ext.blocks.streams import block_choice
 
     pipe = tiny.build(name)
     reference = tiny.run(pipe, name)

@@ -634,7 +634,7 @@ def test_doctor_says_nothing_before_its_report():
 def test_bandwidth_measures_real_copies_on_the_simulated_accelerator():
     from simulated_accelerator import SimulatedAccelerator
 
-    from diffusers_offload_ext.transfer import bandwidth
+    from diffusers_offload_ext.pinning import bandwidth
 
     assert bandwidth.measure(torch.device("cpu", 0)) is None  # not CUDA, no way to wait for it: nothing measured
     with SimulatedAccelerator() as sim:
@@ -649,7 +649,7 @@ def test_bandwidth_measures_real_copies_on_the_simulated_accelerator():
 def test_doctor_reports_measured_bandwidth_on_a_cuda_machine(capsys, monkeypatch):
     """CUDA is faked (no GPU here): the device list and the measurement; the report and its plan flags are real."""
     from diffusers_offload_ext.models.bounds import parse_rate
-    from diffusers_offload_ext.transfer import bandwidth
+    from diffusers_offload_ext.pinning import bandwidth
 
     class Properties:
         name, total_memory = "Fake GPU", 80 << 30

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the residency options")
 
 import diffusers_offload_ext as doe  # noqa: E402
-from diffusers_offload_ext.blocks import block_sizes  # noqa: E402
+from diffusers_offload_ext.blocks.find import block_sizes  # noqa: E402
 from diffusers_offload_ext.testing import tiny  # noqa: E402
 from test_quantized_matrix import OPTIONS as MATRIX  # noqa: E402
 

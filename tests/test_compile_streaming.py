@@ -10,7 +10,7 @@ from harness import max_abs_diff
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: block streaming")
 
 import diffusers_offload_ext as doe  # noqa: E402
-from diffusers_offload_ext.blocks import block_sizes  # noqa: E402
+from diffusers_offload_ext.blocks.find import block_sizes  # noqa: E402
 from diffusers_offload_ext.testing import tiny  # noqa: E402
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.usefixtures("installed")]

@@ -16,12 +16,12 @@ from simulated_accelerator import SimulatedAccelerator
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: prefetch and page-locking")
 
 import diffusers_offload_ext as doe  # noqa: E402
-from diffusers_offload_ext.blocks import block_sizes  # noqa: E402
+from diffusers_offload_ext.blocks.find import block_sizes  # noqa: E402
 from diffusers_offload_ext.testing import tiny  # noqa: E402
 from diffusers_offload_ext.testing.page_locking import fake_page_locking  # noqa: E402
 from diffusers_offload_ext.testing.copy_stream import fake_cuda  # noqa: E402
 from diffusers_offload_ext.transfer import make_transfer  # noqa: E402
-from diffusers_offload_ext.transfer.ring import Ring  # noqa: E402
+from diffusers_offload_ext.blocks.ring import Ring  # noqa: E402
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.usefixtures("installed")]
 NAME = "sd15"

@@ -15,7 +15,8 @@ import toy  # noqa: E402
 
 import diffusers_offload_ext.observe  # noqa: E402
 from diffusers_offload_ext.calls import CallTracker  # noqa: E402
-from diffusers_offload_ext.policies import ChainPolicy, ResidencyPolicy  # noqa: E402
+from diffusers_offload_ext.policies import ChainPolicy  # noqa: E402
+from diffusers_offload_ext.residency.policy import ResidencyPolicy  # noqa: E402
 from diffusers_offload_ext.marks import get_session  # noqa: E402
 from diffusers_offload_ext.runtime.session import Session  # noqa: E402
 from diffusers_offload_ext.transfer import Entry  # noqa: E402

@@ -18,9 +18,9 @@ pytest.importorskip("diffusers_offload_ext", reason="plugin-only: out-of-memory 
 
 import diffusers_offload_ext as doe  # noqa: E402
 from diffusers_offload_ext import marks  # noqa: E402
-from diffusers_offload_ext.blocks import REST, block_sizes  # noqa: E402
-from diffusers_offload_ext.policies import reserve as reserve_module  # noqa: E402
-from diffusers_offload_ext.runtime import budget as budget_module  # noqa: E402
+from diffusers_offload_ext.blocks.find import REST, block_sizes  # noqa: E402
+from diffusers_offload_ext.residency import reserve as reserve_module  # noqa: E402
+from diffusers_offload_ext.residency import budget as budget_module  # noqa: E402
 from diffusers_offload_ext.testing import tiny  # noqa: E402
 from diffusers_offload_ext.testing.device_memory import out_of_memory, simulated_memory  # noqa: E402
 
@@ -400,7 +400,7 @@ def test_on_the_plain_cpu_an_injected_error_is_recovered_and_a_persistent_one_le
 def test_a_stream_that_runs_out_of_memory_as_it_starts_leaves_its_blocks_on_the_host(reference, monkeypatch, where):
     """The ring's allocation, or a kept block's copy, runs out of memory as the transformer starts streaming: what the
     start did is undone (kept blocks back on the host, no hook left), and the recovery streams it in less room."""
-    from diffusers_offload_ext.transfer import kept_blocks, streaming
+    from diffusers_offload_ext.blocks import kept_blocks, streamer as streaming
 
     failures = []
 
@@ -439,7 +439,7 @@ def test_a_rung_whose_stream_cannot_start_says_so_and_the_retry_loads_the_compon
 ):
     """The transformer runs out of memory whole, twice: the second rung streams it, and the ring's allocation runs
     out of memory. Nothing streams then, the recovery's line says so, and the retry runs it whole on the device."""
-    from diffusers_offload_ext.transfer import streaming
+    from diffusers_offload_ext.blocks import streamer as streaming
 
     real, failures = streaming.Ring, []
 

@@ -15,7 +15,7 @@ from simulated_accelerator import SimulatedAccelerator
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: out-of-memory recovery")
 
 import diffusers_offload_ext as doe  # noqa: E402
-from diffusers_offload_ext.policies import reserve as reserve_module  # noqa: E402
+from diffusers_offload_ext.residency import reserve as reserve_module  # noqa: E402
 from diffusers_offload_ext.testing.device_memory import out_of_memory, simulated_memory  # noqa: E402
 from diffusers_offload_ext.transfer import memory  # noqa: E402
 

@@ -18,7 +18,7 @@ from diffusers_offload_ext.testing.page_locking import (  # noqa: E402
     OUT_OF_MEMORY,
     fake_page_locking,
 )
-from diffusers_offload_ext.transfer import pinned  # noqa: E402
+from diffusers_offload_ext.pinning import store as pinned  # noqa: E402
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.usefixtures("installed")]
 TOLERANCE = 1e-3

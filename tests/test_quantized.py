@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: byte counts")
 
 import diffusers_offload_ext as doe  # noqa: E402
-from diffusers_offload_ext.blocks import block_sizes  # noqa: E402
+from diffusers_offload_ext.blocks.find import block_sizes  # noqa: E402
 from diffusers_offload_ext.testing import quantized, tiny  # noqa: E402
 
 pytestmark = pytest.mark.plugin_only

@@ -14,15 +14,10 @@ pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the residency 
 
 from diffusers_offload_ext.constants import DROP, END, OFFLOAD, ONLOAD, STREAM
 from diffusers_offload_ext.models.block_model import REST, BlockPlans, replay_streaming
-from diffusers_offload_ext.policies import (
-    ChainPolicy,
-    Facts,
-    Overflow,
-    ResidencyPolicy,
-    optimal_bytes,
-    predict_rest,
-    replay_trace,
-)
+from diffusers_offload_ext.policies import ChainPolicy, Facts, Overflow, replay_trace
+from diffusers_offload_ext.residency.policy import ResidencyPolicy
+from diffusers_offload_ext.residency.optimum import optimal_bytes
+from diffusers_offload_ext.residency.prediction import predict_rest
 from diffusers_offload_ext.units import SizeError, parse_size
 
 

@@ -15,8 +15,8 @@ pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the residency 
 
 import diffusers_offload_ext as doe  # noqa: E402
 import toy  # noqa: E402
-from diffusers_offload_ext.runtime import budget as budget_module  # noqa: E402
-from diffusers_offload_ext.runtime.block_streams import stream_room  # noqa: E402
+from diffusers_offload_ext.residency import budget as budget_module  # noqa: E402
+from diffusers_offload_ext.blocks.streams import stream_room  # noqa: E402
 from diffusers_offload_ext.transfer import memory  # noqa: E402
 
 pytestmark = [pytest.mark.plugin_only, pytest.mark.usefixtures("accelerator")]

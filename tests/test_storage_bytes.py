@@ -14,7 +14,7 @@ from subclass import Int8Rows, quantize_linears, true_bytes
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: byte counts")
 
 import diffusers_offload_ext as doe  # noqa: E402
-from diffusers_offload_ext.blocks import block_sizes  # noqa: E402
+from diffusers_offload_ext.blocks.find import block_sizes  # noqa: E402
 from diffusers_offload_ext.testing import tiny  # noqa: E402
 
 pytestmark = pytest.mark.plugin_only

@@ -13,7 +13,7 @@ from harness import max_abs_diff
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: block streaming")
 
 import diffusers_offload_ext as doe  # noqa: E402
-from diffusers_offload_ext.blocks import REST, block_sizes  # noqa: E402
+from diffusers_offload_ext.blocks.find import REST, block_sizes  # noqa: E402
 from diffusers_offload_ext.testing import tiny  # noqa: E402
 from test_block_streaming import deep_flux  # noqa: E402
 

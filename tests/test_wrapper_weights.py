@@ -11,7 +11,7 @@ from subclass import Int8Rows, quantize_linears
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: block streaming and zero-copy eviction")
 
 import diffusers_offload_ext as doe  # noqa: E402
-from diffusers_offload_ext.blocks import block_sizes  # noqa: E402
+from diffusers_offload_ext.blocks.find import block_sizes  # noqa: E402
 from diffusers_offload_ext.storages import tensor_parts  # noqa: E402
 from diffusers_offload_ext.testing import tiny  # noqa: E402
 

@@ -111,7 +111,7 @@ def _bandwidth(accelerators: List[dict], measure: bool) -> dict:
         return {"measured": False, "reason": "skipped (--no-bandwidth)"}
     import torch
 
-    from ..transfer import bandwidth
+    from ..pinning import bandwidth
 
     rates = bandwidth.measure(torch.device(cuda[0]["device"]))
     return {"measured": True, "device": cuda[0]["device"], "name": cuda[0]["name"], **rates}

@@ -18,7 +18,7 @@ The formula, per component (`estimate`):
   stock offload, 693 MB in the call without offload, where the VAE decode is the peak; convolution workspaces are
   the VAE's extra). Used for every model: the others were not measured on a GPU.
 
-The plan's reserve is the largest component's estimate with the runtime's margin (`policies.reserve.reserve_for`),
+The plan's reserve is the largest component's estimate with the runtime's margin (`residency.reserve.reserve_for`),
 labelled estimated; `--activations` replaces it with a measured figure.
 """
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from ..policies import Item, choose_blocks
+from ..blocks.choice import Item, choose_blocks
 from ..units import format_size
 from .block_model import REST, BlockPlans
 

@@ -23,7 +23,8 @@ import os
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..constants import END, OFFLOAD, ONLOAD, STREAM
-from ..policies import DEPTH, Decision, Item, ReplayedMove, BlockChoice, least_room, choose_blocks, replay_trace
+from ..blocks.choice import DEPTH, Item, BlockChoice, least_room, choose_blocks
+from ..policies import Decision, ReplayedMove, replay_trace
 from .recorded import DATA_DIR, config_key
 from .sizes import component_bytes, parse_dtype
 from .specs import load_spec, override_component
@@ -37,7 +38,7 @@ REST = "<rest>"
 @functools.lru_cache(maxsize=16)
 def _block_counts(class_name: str, library: Optional[str], config_json: str) -> tuple:
     """`((block, floating elements, ((dtype, elements), ...), linear weights), ...)` of the class built on meta."""
-    from ..blocks import find_blocks
+    from ..blocks.find import find_blocks
     from .meta import build_on_meta, kept_in_fp32, linear_weights, tally
 
     found = []

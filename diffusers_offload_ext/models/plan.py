@@ -3,7 +3,7 @@ its real component sizes, what that means per generation and for the card, and t
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 from ..units import format_size
 from .block_compare import block_residency

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from ..policies.reserve import reserve_for
+from ..residency.reserve import reserve_for
 from ..units import format_size
 from .activations import MAX_FRAMES, MAX_SIDE, call_defaults, estimate
 from .bounds import MAX_GENERATIONS, MAX_STEPS, parse_bytes, parse_card, parse_count, parse_rate, parse_seconds

@@ -8,7 +8,8 @@ from typing import Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from ..constants import GiB
 from ..layout import PipelineLayout
-from ..policies import ChainPolicy, Policy, ResidencyPolicy
+from ..policies import ChainPolicy, Policy
+from ..residency.policy import ResidencyPolicy
 from ..units import parse_size
 
 #: In the order ties are broken.

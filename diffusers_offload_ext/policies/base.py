@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import AbstractSet, Callable, FrozenSet, Mapping, NamedTuple, Optional, Tuple
 
 from ..constants import OFFLOAD, ONLOAD, PREFETCH, STREAM
+from ..recovery.rungs import next_rung
 
 #: `(direction, component)`: one move, `direction` being `ONLOAD`, `OFFLOAD`, `PREFETCH` (an onload ahead of use) or
 #: `STREAM` (the component runs block by block within the room left).
@@ -117,29 +118,14 @@ class Policy:
         self, name: str, resident: AbstractSet[str], facts: Facts, running=(), held: int = 0, least=None
     ) -> Decision:
         """Hooked component `name` ran out of device memory (in its forward, or while it was loaded): the next rung of
-        the recovery. First the other resident components that may leave (hooked, not kept for good, not `running`),
-        in the pipeline's order; when none is left, `name` streams its blocks in less room (`next_room`, given the
-        device bytes it `held` and the `least` room it can stream in): its kept blocks go. `NOTHING` at its smallest
-        residency."""
-        others = [n for n in self.order if n in resident and n in self.hooked and n != name]
-        others = [n for n in others if n not in self.stays and n not in running]
-        if others:
-            return Decision.of((OFFLOAD, n) for n in others)
-        room = next_room(held, least)
-        if room is None:
+        the recovery (`recovery/rungs.py`). First the other resident components that may leave (hooked, not kept for
+        good, not `running`), in the pipeline's order; when none is left, `name` streams its blocks in less room
+        (given the device bytes it `held` and the `least` room it can stream in): its kept blocks go. `NOTHING` at its
+        smallest residency."""
+        moves, room = next_rung(name, self.order, resident, self.hooked, self.stays, running, held, least)
+        if not moves:
             return NOTHING
-        moves = [(OFFLOAD, name)] if name in resident else []
-        return Decision.of(moves + [(STREAM, name)], Overflow(name, int(facts.sizes[name]), room))
-
-
-def next_room(held: int, least: Optional[int]) -> Optional[int]:
-    """The room a component that ran out of device memory streams in at the next rung of the recovery, given the device
-    bytes it holds now (`held`: its whole size when it does not stream) and the least room it can stream in (`least`;
-    `None`: it cannot stream): half of what it holds, or its least room once half is less; `None` at its smallest."""
-    if least is None or held <= least:
-        return None
-    half = int(held) // 2
-    return half if half > least else int(least)
+        return Decision.of(moves, None if room is None else Overflow(name, int(facts.sizes[name]), room))
 
 
 def apply(moves, resident: set) -> None:

@@ -9,8 +9,8 @@ from ..layout import cannot_move
 from ..ledger import TransferLedger
 from ..marks import get_session
 from ..transfer import ON_DEVICE
-from .activations import LearntShape
-from .block_streams import BlockStatus
+from ..recovery.activations import LearntShape
+from ..blocks.streams import BlockStatus
 from .session import session_of
 
 

@@ -11,16 +11,18 @@ from diffusers.utils import logging
 
 from ..layout import Arrangement, PipelineLayout, cannot_move, fixed_of, modules_of
 from ..marks import STOCK
-from ..policies import ChainPolicy, Policy, PrefetchPolicy, ResidencyPolicy
+from ..policies import ChainPolicy, Policy
+from ..pinning.prefetch import PrefetchPolicy
+from ..residency.policy import ResidencyPolicy
 from ..transfer import BOOK, ON_DEVICE, make_transfer, memory
-from .budget import component_limits, resolve_budget
+from ..residency.budget import component_limits, resolve_budget
 from .checks import check_pinning, raise_like_stock
 from .combined import layout_of, quiet_sub_pipelines
 from .devices import resolve_device
 from .hook import attach, ours
 from .options import OffloadOptions, resolve_options
 from .placement import Sizes
-from .measuring import expect
+from ..recovery.measuring import expect
 from .session import Session, session_of
 
 logger = logging.get_logger(f"diffusers.{__name__}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import PipelineLayout
-from ..transfer import pinned
+from ..pinning import store as pinned
 from .options import OffloadOptions
 
 

@@ -11,7 +11,8 @@ from accelerate.hooks import CpuOffload, UserCpuOffloadHook, add_hook_to_module,
 from accelerate.utils import send_to_device
 
 from ..marks import HOOK_MARK, extension_hook
-from . import recovery, sharing
+from ..recovery import guard as recovery
+from . import sharing
 
 _compiler_disable = getattr(getattr(torch, "compiler", None), "disable", lambda fn: fn)
 

@@ -14,10 +14,10 @@ from diffusers.utils import logging
 from ..calls import StepBar
 from ..layout import modules_of
 from ..marks import MARK, STOCK, combined_of, get_session
-from .activations import call_shape
+from ..recovery.activations import call_shape
 from .arming import arm, arm_again, before_call, validate
 from .hook import detach
-from ..transfer.pinned import unpin
+from ..pinning.store import unpin
 from .options import docstring, signature, take
 
 logger = logging.get_logger(f"diffusers.{__name__}")

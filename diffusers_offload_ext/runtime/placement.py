@@ -12,9 +12,9 @@ import torch
 from diffusers.utils import logging
 
 from ..transfer import ELSEWHERE, MIXED, ON_DEVICE, ON_HOST, Transfer
-from ..transfer.streaming import intact
+from ..blocks.streamer import intact
 from . import sharing
-from .block_streams import BlockStreams, stream_room
+from ..blocks.streams import BlockStreams, stream_room
 
 logger = logging.get_logger(f"diffusers.{__name__}")
 

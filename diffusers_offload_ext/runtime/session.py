@@ -14,11 +14,12 @@ from ..constants import OFFLOAD, ONLOAD, PREFETCH, STREAM
 from ..ledger import Recorder
 from ..marks import SESSION_ATTR, get_session
 from ..policies import NOTHING, Decision, Facts, Policy
-from ..transfer import COPY_STREAMS, Transfer, make_transfer, pinned
+from ..transfer import COPY_STREAMS, Transfer, make_transfer
+from ..pinning import store as pinned
 from . import sharing
-from .activations import Activations
+from ..recovery.activations import Activations
 from .exclusion import Exclusion
-from .measuring import held_bytes
+from ..recovery.measuring import held_bytes
 from .options import OffloadOptions
 from .placement import Placement, Sizes
 

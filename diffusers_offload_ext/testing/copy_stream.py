@@ -349,7 +349,7 @@ def fake_cuda() -> Iterator[FakeCuda]:
     sims = [m for m in modes if getattr(m, "_is_simulated_accelerator", False)]
     if not sims:
         raise RuntimeError("enter `fake_cuda()` inside a `SimulatedAccelerator()`: it reads where tensors are from it")
-    from ..transfer.copy_stream import CopyStreamTransfer
+    from ..pinning.copy_stream import CopyStreamTransfer
 
     cuda = FakeCuda(sims[-1])
     saved = {name: getattr(torch.cuda, name) for name in _PATCHED}

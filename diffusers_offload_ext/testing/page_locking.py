@@ -24,7 +24,7 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
-from ..transfer import locking, pinned
+from ..pinning import locking, store as pinned
 
 PAGE = 4096
 #: CUDA's codes (the driver's and the runtime's agree on these).

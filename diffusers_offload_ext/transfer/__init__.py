@@ -7,7 +7,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from . import pinned
+from ..pinning import store as pinned
 from .base import ELSEWHERE, EMPTY, HOST, MIXED, ON_DEVICE, ON_HOST, ON_META, Moved, Transfer, tensors_report
 from .book import BOOK, Book, Entry, first_tensor, module_nbytes
 from .host_copy import HostCopy
@@ -34,7 +34,7 @@ def make_transfer(device: torch.device, prefetch: bool = False) -> Transfer:
 
 
 def _cuda_copy_stream(device: torch.device) -> Transfer:
-    from .copy_stream import CopyStreamTransfer
+    from ..pinning.copy_stream import CopyStreamTransfer
 
     return CopyStreamTransfer(device)
 

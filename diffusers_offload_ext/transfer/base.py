@@ -10,7 +10,7 @@ import torch
 from ..constants import COPY
 from ..storages import storage_nbytes
 from .book import BOOK, Book, Entry
-from .ring import Copier
+from .copier import Copier
 
 HOST = torch.device("cpu")
 

@@ -17,7 +17,7 @@ from .base import HOST, Moved, Transfer
 from .book import first_tensor, module_nbytes
 from .host_copy import HostCopy
 from .inference import moves_ordinary_tensors
-from .ring import Copier
+from .copier import Copier
 
 #: Device types whose copies run on streams through `torch.cuda`'s API. Tests add `cpu` with a fake of that API
 #: (`diffusers_offload_ext/testing/copy_stream.py`).

@@ -21,7 +21,7 @@ from typing import Dict, List, NamedTuple, Tuple
 
 import torch
 
-from .storages import storage_nbytes
+from ..storages import storage_nbytes
 
 #: The name of the block that holds what no repeated entry holds.
 REST = "<rest>"

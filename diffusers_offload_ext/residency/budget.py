@@ -12,7 +12,7 @@ from diffusers.utils import logging
 
 from ..transfer import memory
 from ..units import format_size
-from .options import OffloadOptions
+from ..runtime.options import OffloadOptions
 
 BUDGET, RESERVE, EXCLUDE = "memory_budget", "memory_reserve", "exclude_from_offload"
 

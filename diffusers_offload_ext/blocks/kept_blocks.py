@@ -8,9 +8,9 @@ from typing import Callable, Dict, List
 import torch
 
 from ..constants import COPY, DROP, OFFLOAD, ONLOAD
-from .base import HOST
+from ..transfer.base import HOST
 from .streamed_block import move_slots
-from .host_copy import HostCopy
+from ..transfer.host_copy import HostCopy
 from .quant_state import carry, home
 
 

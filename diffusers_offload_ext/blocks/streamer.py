@@ -27,11 +27,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from ..constants import COPY, DROP, OFFLOAD, ONLOAD, PREFETCH
-from .base import HOST
-from .block_hooks import Around
-from .inference import has_inference_parameters, streams_ordinary_tensors
+from ..transfer.base import HOST
+from .hooks import Around
+from ..transfer.inference import has_inference_parameters, streams_ordinary_tensors
 from .kept_blocks import KeptBlocks
-from .ring import Copier, Ring
+from ..transfer.copier import Copier
+from .ring import Ring
 from .streamed_block import StreamedBlock, device_of
 
 #: `(block, direction, nbytes, kind)`: told of every block move.

@@ -25,9 +25,9 @@ from ..marks import extension_hook
 from ..policies import Decision
 from ..transfer.inference import version_of
 from ..units import format_size
-from . import sharing
+from ..runtime import sharing
 from .activations import describe
-from .block_streams import stream_room
+from ..blocks.streams import stream_room
 from .measuring import held_bytes, make_room as carry_out_rung, recovered as learn
 
 logger = logging.get_logger(f"diffusers.{__name__}")

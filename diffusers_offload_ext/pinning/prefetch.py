@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import AbstractSet, Optional
 
 from ..constants import END, PREFETCH
-from .base import Decision, Facts, apply
-from .kept_streams import held_bytes
-from .residency import ResidencyPolicy
+from ..policies.base import Decision, Facts, apply
+from ..blocks.kept_streams import held_bytes
+from ..residency.policy import ResidencyPolicy
 
 
 class PrefetchPolicy(ResidencyPolicy):

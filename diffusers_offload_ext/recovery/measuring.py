@@ -12,7 +12,7 @@ from diffusers.utils import logging
 from ..constants import OUT_OF_MEMORY
 from ..policies import Decision
 from ..transfer import memory
-from . import sharing
+from ..runtime import sharing
 
 logger = logging.get_logger(f"diffusers.{__name__}")
 

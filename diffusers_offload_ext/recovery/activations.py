@@ -9,7 +9,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from ..policies.reserve import MAX_MISSES, reserve_for
+from ..residency.reserve import MAX_MISSES, reserve_for
 from ..transfer import memory
 
 #: The call arguments that make a call's shape (besides how many prompts and the input image's size).

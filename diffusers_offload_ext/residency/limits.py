@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import AbstractSet, Callable, Dict, Optional
 
 from ..constants import OFFLOAD, STREAM
-from .base import NOTHING, Decision, Overflow
-from .kept_streams import held_bytes
+from ..policies.base import NOTHING, Decision, Overflow
+from ..blocks.kept_streams import held_bytes
 
 
 class ComponentLimits:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import AbstractSet, Callable, List, Optional, Set
 
-from .base import Facts
+from ..policies.base import Facts
 
 
 def held_bytes(policy, name: str, facts: Facts) -> int:

@@ -20,11 +20,11 @@ from typing import AbstractSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 from ..calls import CallTracker
 from ..constants import END, OFFLOAD, ONLOAD, STREAM
-from .base import NOTHING, Decision, Facts, Overflow, Policy
+from ..policies.base import NOTHING, Decision, Facts, Overflow, Policy
 from .choice import exact_choice, greedy_choice
 from .masks import Universe
 from .forecast import Forecaster
-from .kept_streams import around_streams, carry, held_bytes, staying
+from ..blocks.kept_streams import around_streams, carry, held_bytes, staying
 from .limits import ComponentLimits
 from .shadow import StockShadow
 

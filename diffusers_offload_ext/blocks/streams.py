@@ -10,12 +10,13 @@ from typing import Callable, Dict, Iterator, NamedTuple, Optional, Set, Tuple
 
 from diffusers.utils import logging
 
-from ..blocks import REST, find_blocks
-from ..policies import DEPTH, blocks_ahead, Item, BlockChoice, least_room, choose_blocks
-from ..transfer.streamed_block import ring_hosts
+from .find import REST, find_blocks
+from .choice import DEPTH, Item, BlockChoice, least_room, choose_blocks
+from .prefetch import blocks_ahead
+from .streamed_block import ring_hosts
 from ..transfer.parts import streamable
-from ..transfer.ring import aligned_nbytes
-from ..transfer.streaming import BlockStreamer
+from .ring import aligned_nbytes
+from .streamer import BlockStreamer
 from ..units import format_size
 
 logger = logging.get_logger(f"diffusers.{__name__}")

@@ -11,10 +11,10 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .base import HOST
-from .host_copy import at_home, layout
-from .inference import version_of
-from .parts import as_parameter, flatten, leaves_of, move_tensor, unflatten
+from ..transfer.base import HOST
+from ..transfer.host_copy import at_home, layout
+from ..transfer.inference import version_of
+from ..transfer.parts import as_parameter, flatten, leaves_of, move_tensor, unflatten
 from .quant_state import state_of
 
 

@@ -1,0 +1,45 @@
+"""The rungs of an out-of-memory recovery, in pure Python: for a component that ran out of device memory, first the
+other resident components that may leave, evicted together; when none is left, the component streams its blocks in
+less and less room (half of what it holds, down to the least room it can stream in); then nothing is left to try.
+`Policy.on_out_of_memory` answers with them."""
+
+from __future__ import annotations
+
+from typing import AbstractSet, Collection, Optional, Sequence, Tuple
+
+from ..constants import OFFLOAD, STREAM
+
+
+def next_rung(
+    name: str,
+    order: Sequence[str],
+    resident: AbstractSet[str],
+    hooked: AbstractSet[str],
+    stays: AbstractSet[str],
+    running: Collection[str],
+    held: int,
+    least: Optional[int],
+) -> Tuple[Tuple[Tuple[str, str], ...], Optional[int]]:
+    """`(moves, room)`: the next rung for component `name`, which ran out of device memory. First the other `resident`
+    components that may leave (`hooked`, not in `stays`, not `running`), in the pipeline's `order`, with no room;
+    when none is left, `name` streams its blocks in the room `next_room` gives (from the device bytes it `held` and
+    the `least` room it can stream in), offloaded first where it is resident. No moves at its smallest residency."""
+    others = [n for n in order if n in resident and n in hooked and n != name]
+    others = [n for n in others if n not in stays and n not in running]
+    if others:
+        return tuple((OFFLOAD, n) for n in others), None
+    room = next_room(held, least)
+    if room is None:
+        return (), None
+    moves = ((OFFLOAD, name),) if name in resident else ()
+    return moves + ((STREAM, name),), room
+
+
+def next_room(held: int, least: Optional[int]) -> Optional[int]:
+    """The room a component that ran out of device memory streams in at the next rung of the recovery, given the device
+    bytes it holds now (`held`: its whole size when it does not stream) and the least room it can stream in (`least`;
+    `None`: it cannot stream): half of what it holds, or its least room once half is less; `None` at its smallest."""
+    if least is None or held <= least:
+        return None
+    half = int(held) // 2
+    return half if half > least else int(least)
