@@ -122,7 +122,8 @@ class OffloadStatus(NamedTuple):
         resident_bytes (`int`): Bytes of the components on the device (of a streaming component, its resident blocks
             and its ring).
         budget (`int` or `None`): The residency manager's budget in bytes (`None`: unlimited or not in force).
-        chain (`Tuple[str, ...]`): The chain of `model_cpu_offload_seq`, as armed.
+        chain (`Tuple[str, ...]`): The components of `model_cpu_offload_seq` present, in order, the excluded ones
+            included (one still evicts its predecessor when it runs).
         calls (`int`): Pipeline calls started since the session began.
         in_call (`bool`): A pipeline call is in progress.
         recent_calls (`List[Tuple[str, ...]]`): Components used by the last completed calls, oldest first.
@@ -194,7 +195,7 @@ def offload_status(pipe) -> OffloadStatus:
         components=components,
         resident_bytes=sum(c.blocks.device_bytes if c.blocks else c.nbytes for c in components.values() if c.resident),
         budget=session.budget if session.options.residency else None,
-        chain=tuple(session.arrangement.chain) if session.arrangement is not None else (),
+        chain=tuple(session.layout.arrange().chain) if session.layout is not None else (),
         calls=session.calls.started,
         in_call=session.calls.in_call,
         recent_calls=list(session.calls.history),
