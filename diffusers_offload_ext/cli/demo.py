@@ -1,4 +1,4 @@
-"""`diffusers-offload demo`: the tiny Flux pipeline run on the CPU under three offload settings, its transfer
+"""`diffusers-offload demo`: the tiny Flux pipeline run on the CPU under four offload settings, its transfer
 ledger, and what the same moves cost for the real FLUX.1-dev (sizes from the shipped model data)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from ..models.bounds import format_rate, parse_count, parse_rate
 from . import output
 from .plan import add_bandwidth_arguments, bandwidths
 
-HELP = "run the tiny Flux pipeline under three offload settings and show its transfer ledger (what `make demo` runs)"
+HELP = "run the tiny Flux pipeline under four offload settings and show its transfer ledger (what `make demo` runs)"
 CONFIGS = (
     ("stock", "stock model offload", {}),
     ("exclude_transformer", 'exclude_from_offload=["transformer"]', {"exclude_from_offload": ["transformer"]}),
@@ -40,7 +40,7 @@ def add_parser(commands, common) -> None:
     )
     d.add_argument("--steps", default=str(STEPS), help=f"denoising steps, 1 to {MAX_STEPS} (default: {STEPS})")
     add_bandwidth_arguments(d, "the real model's bytes")
-    d.add_argument("--png", metavar="PATH", help="also write the timeline of the three settings to this PNG file")
+    d.add_argument("--png", metavar="PATH", help="also write the timeline of the four settings to this PNG file")
     d.set_defaults(handler=run)
 
 
