@@ -14,6 +14,7 @@ from diffusers_offload_ext.testing import tiny  # noqa: E402
 from diffusers_offload_ext.units import SizeError, check_unit  # noqa: E402
 
 pytestmark = pytest.mark.plugin_only
+GiB = 1 << 30
 
 
 @pytest.mark.parametrize("value", [16, "16", " 16 ", 100.0, "12e3", (1 << 20) - 1])
@@ -249,3 +250,37 @@ def test_a_call_whose_estimated_activations_exceed_the_card_says_so(capsys):
                        "--width", "1280", "--json")  # fmt: skip
     result = json.loads(out)
     assert code == 2 and "nothing fits" in result["error"] and "enable_tiling" in result["error"]
+
+
+def test_the_readme_opens_with_a_24_gb_card_and_its_figures_are_the_plan_s():
+    """The README's first example is FLUX.1-dev on a 24 GB card, and every figure it quotes is the plan's (issue 34,
+    point 8); user docs cite no internal issue numbers."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    opening = readme[: readme.index("## Install")]
+    assert re.search(r"```bash\n([^`]*)```", opening).group(1).split() == [
+        "diffusers-offload", "plan", "--model", "black-forest-labs/FLUX.1-dev", "--vram", "24GiB",
+    ]  # fmt: skip
+    text = " ".join(opening.split())
+    recommended = plan_of("flux-dev", vram="24GiB")
+    assert 'memory_budget="20.7GiB"' in recommended["summary"]["use"]["call"] and '`memory_budget="20.7GiB"`' in text
+    estimate = recommended["activations"]["estimate"]
+    assert f"{recommended['reserve_bytes'] / GiB:.2f} GiB" in text and f"({estimate['bytes'] / GiB:.2f} GiB" in text
+    used = plan_of("flux-dev", vram="24GiB", reserve="4GiB")  # the example's 20 GiB, as the README says
+    use = used["summary"]["use"]
+    assert 'memory_budget="20.0GiB"' in use["call"] and 'memory_budget="20GiB"' in opening
+    stream = use["streams"]["transformer"]
+    for figure in (
+        f"{stream['kept']} of its {stream['blocks']}",
+        f"{use['bytes_per_image'] / GiB:.2f} GiB over the bus",
+        f"{use['seconds_per_image']:.2f} s of copies",
+        f"{use['faster']['seconds_per_image']:.2f} s with",
+        f"{sum(c['nbytes'] for c in used['components'].values()) / GiB:.2f} GiB of weights",
+        f"transformer ({used['components']['transformer']['nbytes'] / GiB:.2f} GiB)",
+    ):
+        assert figure in text, figure
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        assert not re.search(r"\bissues? \d", doc.read_text(encoding="utf-8"), re.I), doc.name
