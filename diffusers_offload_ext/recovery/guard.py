@@ -51,24 +51,31 @@ class OffloadOutOfMemoryError(torch.OutOfMemoryError):
 def guard(module: torch.nn.Module) -> None:
     """Guard `module`'s forward (accelerate's, which calls the hook's `pre_forward`: a load that runs out of memory is
     caught too; compiled in place, its compiled call instead, so that Dynamo meets no frame of ours inside it) and its
-    `encode`/`decode` (which call the hook themselves). Idempotent. Accelerate's
-    `remove_hook_from_module` puts the forward back; `unguard` takes the rest off."""
+    `encode`/`decode` (which call the hook themselves). Idempotent. Each guard keeps what code reads from the method it
+    wraps (`_wrapped`): its signature, name and docstring. Accelerate's `remove_hook_from_module` puts the forward
+    back; `unguard` takes the rest off."""
     compiled = module.__dict__.get("_compiled_call_impl")
     if compiled is not None:  # compiled in place: around the compiled call, where Dynamo never sees the guard's frame
         if not _guarded(compiled):
-            module._compiled_call_impl = functools.partial(_run, module, compiled)
+            module._compiled_call_impl = _wrapped(module, compiled)
         return _guard_methods(module)
     forward = module.__dict__.get("forward")
     if forward is not None and not _guarded(forward):
-        module.forward = functools.partial(_run, module, forward)
+        module.forward = _wrapped(module, forward)
     _guard_methods(module)
+
+
+def _wrapped(module: torch.nn.Module, call) -> functools.partial:
+    """`call` run through the guard, looking like `call` to whoever inspects it: diffusers reads a forward's signature
+    (`inspect.signature(vae.forward)`: does it take `num_frames`?), which `__wrapped__` leads to."""
+    return functools.update_wrapper(functools.partial(_run, module, call), call)
 
 
 def _guard_methods(module: torch.nn.Module) -> None:
     for method in GUARDED:
         bound = getattr(module, method, None)
         if callable(bound) and not _guarded(bound) and method not in module.__dict__:
-            module.__dict__[method] = functools.partial(_run, module, bound)
+            module.__dict__[method] = _wrapped(module, bound)
 
 
 def unguard(module: torch.nn.Module) -> None:
