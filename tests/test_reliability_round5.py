@@ -40,6 +40,25 @@ def on_device(pipe, accelerator):
     return {n for n, c in doe.offload_status(pipe).components.items() if c.resident}
 
 
+# -- 1: remove_all_hooks() between calls sends home what stayed there -------------------------------------------------
+def test_remove_all_hooks_between_calls_leaves_every_component_on_the_host_as_stock_does(accelerator):
+    pipe = deep_flux()
+    sizes = {n: doe.module_nbytes(m) for n, m in components(pipe).items()}
+    budget = sizes["vae"] + int(sizes["transformer"] * 0.8)  # the VAE stays beside the streaming transformer
+    pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, keep_on_device_between_generations=True)
+    tiny.run(pipe, "flux")
+    assert on_device(pipe, accelerator), "nothing stayed between calls: the case is not made"
+    pipe.remove_all_hooks()
+    assert on_device(pipe, accelerator) == set()
+    assert doe.release(pipe) == 0 and doe.offload_status(pipe).resident_bytes == 0
+    if accelerator is not None:  # stock: its end of call leaves every component on the host, and so do its hooks gone
+        stock = deep_flux()
+        marks.STOCK["enable_model_cpu_offload"](stock, device=accelerator.device)
+        tiny.run(stock, "flux")
+        marks.STOCK["remove_all_hooks"](stock)
+        assert {n for n, m in components(stock).items() if accelerator.where(m) != "host"} == set()
+
+
 # -- 9: the guards keep the signatures diffusers reads -----------------------------------------------------------------
 OPTION_SETS = {
     "defaults": {},

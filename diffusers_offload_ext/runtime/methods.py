@@ -81,11 +81,15 @@ enable_model_cpu_offload.__doc__ = docstring(enable_model_cpu_offload)
 def remove_all_hooks(self) -> None:
     r"""
     Removes all hooks added by `enable_sequential_cpu_offload` or `enable_model_cpu_offload` (stock's), and forgets
-    this extension's instance-level `_exclude_from_cpu_offload`. Components stay where they are.
+    this extension's instance-level `_exclude_from_cpu_offload`. Between calls, what the offload kept on the device
+    (`keep_on_device_between_generations`) goes back to the host first, as stock's end of call leaves it; excluded
+    components stay where they are, as in stock.
     """
     session = get_session(self)
     if session is not None:
         session.stop_moving()  # a component half on the device could not run without its hooks
+        if session.active and not session.calls.in_call:
+            session.release()  # without its hooks, nothing would bring it home
     STOCK["remove_all_hooks"](self)
     if session is not None:
         session.disarm()
