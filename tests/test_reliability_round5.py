@@ -100,3 +100,14 @@ def test_stable_video_diffusion_decodes_latents_with_num_frames_under_offload(ac
     device = accelerator.device if accelerator is not None else "cpu"  # where the pipeline's latents would be
     frames = StableVideoDiffusionPipeline.decode_latents(pipe, latents.to(device), 2, 2)
     assert max_abs_diff(frames.cpu(), expected) == 0.0
+
+
+# -- 10: remove_all_hooks() drops exclude_from_offload ----------------------------------------------------------------
+def test_remove_all_hooks_drops_exclude_from_offload_from_the_options_in_force():
+    pipe = tiny.build("sd15")
+    pipe.enable_model_cpu_offload(device="cpu", exclude_from_offload=["vae"])
+    pipe.remove_all_hooks()
+    assert doe.offload_status(pipe).options["exclude_from_offload"] == ()
+    pipe.enable_model_cpu_offload(device="cpu")
+    status = doe.offload_status(pipe)
+    assert status.options["exclude_from_offload"] == () and status.components["vae"].role == "chain"

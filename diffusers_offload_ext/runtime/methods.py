@@ -81,7 +81,8 @@ enable_model_cpu_offload.__doc__ = docstring(enable_model_cpu_offload)
 def remove_all_hooks(self) -> None:
     r"""
     Removes all hooks added by `enable_sequential_cpu_offload` or `enable_model_cpu_offload` (stock's), and forgets
-    this extension's instance-level `_exclude_from_cpu_offload`. Between calls, what the offload kept on the device
+    this extension's `exclude_from_offload` (the instance-level `_exclude_from_cpu_offload` it set goes; a list of your
+    own comes back as it was). Between calls, what the offload kept on the device
     (`keep_on_device_between_generations`) goes back to the host first, as stock's end of call leaves it; excluded
     components stay where they are, as in stock.
     """
@@ -92,7 +93,7 @@ def remove_all_hooks(self) -> None:
             session.release()  # without its hooks, nothing would bring it home
     STOCK["remove_all_hooks"](self)
     if session is not None:
-        session.disarm()
+        session.disarm(forget_exclusion=True)  # as stock drops the instance-level list
         session.exclusion.restore(self)
         unpin(session.device, session.modules.values())
 
