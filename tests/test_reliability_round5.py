@@ -59,6 +59,30 @@ def test_remove_all_hooks_between_calls_leaves_every_component_on_the_host_as_st
         assert {n for n, m in components(stock).items() if accelerator.where(m) != "host"} == set()
 
 
+# -- 2: a parametrization added to a kept block between calls --------------------------------------------------------
+class Doubled(torch.nn.Module):
+    def forward(self, weight):
+        return weight * 2
+
+
+def parametrized(pipe, block):
+    layer = next(m for m in pipe.transformer.get_submodule(block).modules() if isinstance(m, torch.nn.Linear))
+    torch.nn.utils.parametrize.register_parametrization(layer, "weight", Doubled())
+
+
+def test_a_parametrization_added_to_a_kept_block_between_calls_is_used(accelerator):
+    pipe, _ = armed()
+    tiny.run(pipe, "flux")
+    kept = [b for b in doe.offload_status(pipe).components["transformer"].blocks.resident if b != REST]
+    parametrized(pipe, kept[0])
+    reference = deep_flux()
+    parametrized(reference, kept[0])
+    assert max_abs_diff(tiny.run(pipe, "flux"), tiny.run(reference, "flux")) == 0.0
+    doe.release(pipe)
+    if accelerator is not None:
+        assert accelerator.where(pipe.transformer) == "host"
+
+
 # -- 9: the guards keep the signatures diffusers reads -----------------------------------------------------------------
 OPTION_SETS = {
     "defaults": {},
