@@ -83,6 +83,25 @@ def test_a_parametrization_added_to_a_kept_block_between_calls_is_used(accelerat
         assert accelerator.where(pipe.transformer) == "host"
 
 
+# -- 4: a from_pipe pipeline called through the first one's hooks ends its call --------------------------------------
+@pytest.mark.parametrize("options", [{}, {"keep_on_device_during_generation": True}], ids=["defaults", "keep-during"])
+def test_a_from_pipe_pipeline_called_without_its_own_enable_ends_its_call(accelerator, options):
+    from diffusers import StableDiffusionPipeline
+
+    name = "sd15"
+    expected = tiny.run(tiny.build(name), name)
+    pipe = tiny.build(name)
+    pipe.enable_model_cpu_offload(device="cpu", **options)
+    tiny.run(pipe, name)
+    other = StableDiffusionPipeline.from_pipe(pipe)
+    other.set_progress_bar_config(disable=True)
+    assert max_abs_diff(tiny.run(other, name), expected) == 0.0
+    # Stock leaves the chain's last component (the VAE) on the device until the first pipeline's next call ends; the
+    # call of the other pipeline is a call of the hooks' offload here, and its end sends everything home.
+    assert on_device(pipe, accelerator) == set()
+    assert max_abs_diff(tiny.run(pipe, name), expected) == 0.0 and on_device(pipe, accelerator) == set()
+
+
 # -- 9: the guards keep the signatures diffusers reads -----------------------------------------------------------------
 OPTION_SETS = {
     "defaults": {},
