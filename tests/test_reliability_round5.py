@@ -102,6 +102,32 @@ def test_a_from_pipe_pipeline_called_without_its_own_enable_ends_its_call(accele
     assert max_abs_diff(tiny.run(pipe, name), expected) == 0.0 and on_device(pipe, accelerator) == set()
 
 
+# -- 5: pipe.to(device) between calls, with a budget that streams ----------------------------------------------------
+@pytest.mark.parametrize("keep_between", [False, True], ids=["not-kept", "kept-between"])
+def test_a_pipeline_moved_to_the_device_between_calls_is_brought_within_its_budget(accelerator, keep_between):
+    pipe = deep_flux()
+    budget = int(sum(block_sizes(pipe.transformer).values()) * 0.8)
+    pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, keep_on_device_between_generations=keep_between)
+    reference = tiny.run(deep_flux(), "flux")
+    tiny.run(pipe, "flux")
+    pipe.to("cpu:0")
+    seen = []
+
+    def look(p, step, timestep, kwargs):
+        seen.append(doe.offload_status(p).resident_bytes)
+        return kwargs
+
+    watch = WeightsWatch(pipe, accelerator, budget) if accelerator is not None else None
+    try:
+        image = pipe(**tiny.call_kwargs("flux", pipe=pipe), callback_on_step_end=look).images.cpu()
+    finally:
+        if watch is not None:
+            watch.remove()
+    assert max_abs_diff(image, reference) == 0.0
+    assert seen and max(seen) <= budget
+    assert doe.offload_status(pipe).resident_bytes <= budget
+
+
 # -- 9: the guards keep the signatures diffusers reads -----------------------------------------------------------------
 OPTION_SETS = {
     "defaults": {},
