@@ -128,6 +128,31 @@ def test_a_pipeline_moved_to_the_device_between_calls_is_brought_within_its_budg
     assert doe.offload_status(pipe).resident_bytes <= budget
 
 
+# -- 6: a weight edited in a step callback while its component's prefetch is in flight --------------------------------
+@pytest.mark.parametrize("at_step", [0, 1], ids=["first-step", "last-step"])
+def test_an_edit_made_in_a_step_callback_wins_over_a_prefetch_in_flight(at_step):
+    name = "sd15"
+
+    def edit(p, step, timestep, kwargs):
+        if step == at_step:
+            with torch.no_grad():
+                p.vae.post_quant_conv.weight.data.mul_(2)
+        return kwargs
+
+    reference = tiny.build(name)
+    expected = torch.as_tensor(reference(**tiny.call_kwargs(name, pipe=reference), callback_on_step_end=edit).images)
+    pipe = tiny.build(name)
+    with fake_page_locking(), SimulatedAccelerator(), fake_cuda():
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget="1GiB", prefetch=True, pin_memory=True)
+        tiny.run(pipe, name)  # the call that teaches what runs next
+        image = pipe(**tiny.call_kwargs(name, pipe=pipe), callback_on_step_end=edit).images.cpu()
+        records = [r for r in doe.transfer_ledger(pipe).records if r.call_index == 1]
+        assert ("vae", "onload", "prefetch") in [(r.component, r.direction, r.kind) for r in records]
+        doe.release(pipe)
+    assert max_abs_diff(image, expected) == 0.0
+    assert torch.equal(pipe.vae.post_quant_conv.weight.detach().cpu(), reference.vae.post_quant_conv.weight.detach())
+
+
 # -- 9: the guards keep the signatures diffusers reads -----------------------------------------------------------------
 OPTION_SETS = {
     "defaults": {},

@@ -66,6 +66,15 @@ class DeferredCpuOffload(CpuOffload):
             return args, kwargs  # what `send_to_device` would return, without walking the inputs again
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
+    @_compiler_disable
+    def post_forward(self, module, output):
+        # A prefetch started while this forward ran is waited on as it ends (the compute stream waits on its event; no
+        # host wait): code that runs between forwards (a step callback editing the weights) finds them complete.
+        transfer = self.session.transfer
+        if transfer is not None and transfer.pending:
+            transfer.flush()
+        return output
+
 
 # How code that must not import the runtime (the trace) recognises it: `marks.extension_hook`.
 setattr(DeferredCpuOffload, HOOK_MARK, True)
