@@ -153,6 +153,25 @@ def test_an_edit_made_in_a_step_callback_wins_over_a_prefetch_in_flight(at_step)
     assert torch.equal(pipe.vae.post_quant_conv.weight.detach().cpu(), reference.vae.post_quant_conv.weight.detach())
 
 
+# -- 7: a stream kept between calls reports the bytes it holds -------------------------------------------------------
+def test_a_stream_kept_between_calls_reports_the_bytes_it_holds_on_the_device():
+    with SimulatedAccelerator() as sim:
+        pipe, _ = armed()
+        for _ in range(2):
+            tiny.run(pipe, "flux")
+        status = doe.offload_status(pipe)
+        blocks = status.components["transformer"].blocks
+        storages = {}
+        for tensor in list(pipe.transformer.parameters()) + list(pipe.transformer.buffers()):
+            if sim.is_on_device(tensor):
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        whole = sum(c.nbytes for n, c in status.components.items() if c.resident and n != "transformer")
+    assert blocks is not None and blocks.ring_bytes > 0
+    assert blocks.device_bytes == sum(storages.values()) + blocks.ring_bytes
+    assert status.resident_bytes == whole + blocks.device_bytes
+
+
 # -- 9: the guards keep the signatures diffusers reads -----------------------------------------------------------------
 OPTION_SETS = {
     "defaults": {},
