@@ -172,6 +172,66 @@ def test_a_stream_kept_between_calls_reports_the_bytes_it_holds_on_the_device():
     assert status.resident_bytes == whole + blocks.device_bytes
 
 
+# -- 8: out of memory: an excluded component's forward, and a module in training mode ---------------------------------
+def test_an_excluded_component_that_runs_out_of_memory_makes_room_and_runs_again():
+    expected = call(deep_flux(), 32)
+    pipe = deep_flux()
+    with SimulatedAccelerator(capacity=1_200_000) as sim:
+        pipe.enable_model_cpu_offload(
+            device="cpu",
+            exclude_from_offload=["transformer"],
+            memory_budget=ALL_WEIGHTS,
+            keep_on_device_between_generations=True,
+            **NO_COPY,
+        )
+        images = [call(pipe, 32) for _ in range(2)]
+        clean(pipe, sim)
+        assert sim.where(pipe.transformer) == "device"  # excluded: it never left the device
+    assert all(max_abs_diff(image, expected) == 0.0 for image in images)
+    assert forced(pipe) and all(r.component != "transformer" for r in forced(pipe))
+
+
+def in_training_mode(pipe):
+    """The components as a pipeline built from configs has them (diffusers' own tests): in training mode, their
+    parameters requiring gradients; the pipeline's call runs without gradients."""
+    for module in components(pipe).values():
+        module.train()
+        module.requires_grad_(True)
+    return pipe
+
+
+def test_a_module_in_training_mode_without_dropout_runs_again_after_an_out_of_memory_error(accelerator):
+    pipe = in_training_mode(deep_flux())
+    expected = tiny.run(in_training_mode(deep_flux()), "flux")
+    budget = int(sum(block_sizes(pipe.transformer).values()) * 0.8)
+    pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget)
+    with out_of_memory(pipe.transformer.x_embedder) as injected:
+        image = tiny.run(pipe, "flux")
+    assert injected.raised and max_abs_diff(image, expected) == 0.0
+    assert sum(s.recoveries for s in doe.offload_status(pipe).learnt) == 1
+
+
+@pytest.mark.parametrize(
+    "stateful, why",
+    [
+        (lambda: torch.nn.Dropout(0.1), "dropout"),
+        (lambda: torch.nn.BatchNorm1d(1), "running statistics"),
+    ],
+    ids=["dropout", "batch-norm"],
+)
+def test_a_module_in_training_mode_that_a_retry_could_change_is_not_run_again(caplog, stateful, why):
+    from harness import diffusers_logs
+
+    pipe = in_training_mode(deep_flux())
+    pipe.transformer.stateful = stateful()  # an active stateful layer (it need not run for the retry to be unsafe)
+    pipe.enable_model_cpu_offload(device="cpu", memory_budget=ALL_WEIGHTS)
+    with diffusers_logs(caplog, "WARNING"), out_of_memory(pipe.transformer.x_embedder):
+        with pytest.raises(torch.OutOfMemoryError) as caught:
+            tiny.run(pipe, "flux")
+    assert not isinstance(caught.value, doe.OffloadOutOfMemoryError)
+    assert "is not run again" in caplog.text and why in caplog.text
+
+
 # -- 9: the guards keep the signatures diffusers reads -----------------------------------------------------------------
 OPTION_SETS = {
     "defaults": {},

@@ -17,6 +17,7 @@ from ..marks import MARK, STOCK, combined_of, get_session
 from ..recovery.activations import call_shape
 from .arming import arm, arm_again, before_call, validate
 from .hook import detach, ours
+from ..recovery.guard import unguard
 from ..pinning.store import unpin
 from .options import docstring, signature, take
 
@@ -94,6 +95,8 @@ def remove_all_hooks(self) -> None:
     STOCK["remove_all_hooks"](self)
     if session is not None:
         session.disarm(forget_exclusion=True)  # as stock drops the instance-level list
+        for module in session.modules.values():
+            unguard(module)  # the guards of components that had no hook
         session.exclusion.restore(self)
         unpin(session.device, session.modules.values())
 

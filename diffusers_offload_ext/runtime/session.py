@@ -94,8 +94,7 @@ class Session:
 
     def armed(self, hooks: Dict[str, object]) -> None:
         """The hooks are attached: offload is on."""
-        self.hooks = hooks
-        self.active = True
+        self.hooks, self.active = hooks, True
 
     def disarm(self, forget_exclusion: bool = False) -> None:
         """The hooks are gone (`remove_all_hooks()`, then `forget_exclusion`; or a combined pipeline armed whole)."""
