@@ -284,3 +284,66 @@ def test_remove_all_hooks_drops_exclude_from_offload_from_the_options_in_force()
     pipe.enable_model_cpu_offload(device="cpu")
     status = doe.offload_status(pipe)
     assert status.options["exclude_from_offload"] == () and status.components["vae"].role == "chain"
+
+
+# -- the mutation probe's gaps -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["remove_all_hooks", "re-enable"])
+def test_a_users_own_instance_exclusion_list_is_put_back_and_stays_in_force(accelerator, how):
+    """The user's own `pipe._exclude_from_cpu_offload` (an instance list, naming the ControlNet, outside the chain):
+    `exclude_from_offload` joins it while in force, and it comes back as it was, the same list, when the extension's
+    exclusion goes; then the ControlNet it names has no hook and stays on the device, as stock leaves it."""
+    name = "sd_controlnet"
+    expected = tiny.run(tiny.build(name), name)
+    pipe = tiny.build(name)
+    own = ["controlnet"]
+    pipe._exclude_from_cpu_offload = own
+    pipe.enable_model_cpu_offload(device="cpu", exclude_from_offload=["text_encoder"])
+    assert set(pipe._exclude_from_cpu_offload) == {"controlnet", "text_encoder"}
+    if how == "remove_all_hooks":
+        pipe.remove_all_hooks()
+        assert pipe.__dict__["_exclude_from_cpu_offload"] is own
+        pipe.enable_model_cpu_offload(device="cpu")
+    else:
+        pipe.enable_model_cpu_offload(exclude_from_offload=[])
+    assert pipe.__dict__["_exclude_from_cpu_offload"] is own and own == ["controlnet"]
+    assert max_abs_diff(tiny.run(pipe, name), expected) == 0.0
+    assert doe.offload_status(pipe).components["controlnet"].role == "round trip"
+    if accelerator is not None:  # stock, with the same list, after a call: the ControlNet on the device, the rest home
+        stock = tiny.build(name)
+        stock._exclude_from_cpu_offload = ["controlnet"]
+        marks.STOCK["enable_model_cpu_offload"](stock, device=accelerator.device)
+        tiny.run(stock, name)
+        placed = {n: accelerator.where(m) for n, m in components(stock).items()}
+        assert {n: accelerator.where(m) for n, m in components(pipe).items()} == placed
+        assert placed["controlnet"] == "device"
+
+
+def test_the_least_budget_the_error_asks_for_is_accepted_and_runs(accelerator):
+    pipe = deep_flux()
+    with pytest.raises(ValueError, match="exceed `memory_budget`") as caught:
+        pipe.enable_model_cpu_offload(device="cpu", exclude_from_offload=["transformer"], memory_budget=1)
+    least = int(re.search(r"of at least (\d+) bytes", str(caught.value)).group(1))
+    assert least == doe.module_nbytes(pipe.transformer)
+    with pytest.raises(ValueError, match=f"of at least {least} bytes"):
+        pipe.enable_model_cpu_offload(device="cpu", exclude_from_offload=["transformer"], memory_budget=least - 1)
+    pipe.enable_model_cpu_offload(device="cpu", exclude_from_offload=["transformer"], memory_budget=least)
+    assert doe.offload_status(pipe).budget == least
+    assert max_abs_diff(tiny.run(pipe, "flux"), tiny.run(deep_flux(), "flux")) == 0.0
+
+
+def test_dropped_bytes_count_the_evictions_that_copied_nothing(accelerator):
+    pipe = tiny.build("sd15")
+    pipe.enable_model_cpu_offload(device="cpu", zero_copy_eviction=True)
+    ledger = doe.transfer_ledger(pipe)
+    tiny.run(pipe, "sd15")
+    with torch.no_grad():
+        pipe.vae.post_quant_conv.weight.data.add_(0)  # unchanged: still dropped
+    tiny.run(pipe, "sd15")
+    summary = ledger.summary()
+    drops = [r for r in ledger.records if r.kind == "drop"]
+    copies = [r for r in ledger.records if r.direction == "offload" and r.kind != "drop"]
+    assert drops and summary["dropped_bytes"] == sum(r.nbytes for r in drops)
+    assert summary["offload_bytes"] == sum(r.nbytes for r in copies)  # copied back: not the dropped ones
+    assert summary["total_bytes"] == summary["onload_bytes"] + summary["offload_bytes"]
+    sizes = {n: doe.module_nbytes(m) for n, m in components(pipe).items()}
+    assert summary["dropped_bytes"] == 2 * sum(sizes.values())  # every component, unchanged, at both calls' ends
