@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 from typing import List, Optional, Tuple
 
 import torch
@@ -39,7 +40,7 @@ MAX_RUNGS = 8
 _PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 _MAX_ITEMS = 64
 
-#: The guarded forwards running now, innermost last: `(session, component, module)`.
+#: The guarded forwards running now, innermost last: `(session, component, module, inputs)` (`_enter`).
 running: List[Tuple[object, str, torch.nn.Module]] = []
 
 
@@ -60,7 +61,7 @@ def guard(module: torch.nn.Module) -> None:
         return _guard_methods(module)
     forward = module.__dict__.get("forward")
     if forward is not None and not _guarded(forward):
-        module.forward = functools.partial(_run, module, forward)
+        module.forward = _guarding(module, forward)
     _guard_methods(module)
 
 
@@ -68,7 +69,14 @@ def _guard_methods(module: torch.nn.Module) -> None:
     for method in GUARDED:
         bound = getattr(module, method, None)
         if callable(bound) and not _guarded(bound) and method not in module.__dict__:
-            module.__dict__[method] = functools.partial(_run, module, bound)
+            module.__dict__[method] = _guarding(module, bound)
+
+
+def _guarding(module: torch.nn.Module, call):
+    """`call` (a method of `module`) guarded: what `inspect.signature` reads of it is `call`'s own signature."""
+    guarded = functools.partial(_run, module, call)
+    guarded.__wrapped__ = call
+    return guarded
 
 
 def unguard(module: torch.nn.Module) -> None:
@@ -114,32 +122,68 @@ def _opaque(fn):
     return _disable(fn) if _disable is not None else fn
 
 
+#: Dynamo's frame callback, set while it compiles or runs compiled code (`None` in eager code); `None` where this
+#: torch does not tell it (the guard's bookkeeping is then always hidden from Dynamo).
+_dynamo_callback = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", None
+)
+
+
 @_skip_frame
 def _run(module: torch.nn.Module, call, *args, **kwargs):
-    """Run `call` (a guarded forward of `module`); on an out-of-memory error make room and run it again."""
-    attempt = _Attempt.enter(module, args, kwargs)
-    if attempt is None:
+    """Run `call` (a guarded forward of `module`); on an out-of-memory error make room and run it again.
+
+    What an error needs that only the moment before the forward can tell is taken then (`_enter`: the inputs' version
+    counters); the rest is read only when an error happens (`_Attempt`). In eager code the bookkeeping is called
+    plainly; where Dynamo runs (this frame is skipped, what it calls is compiled), hidden from it."""
+    entry = (_enter if _dynamo_callback is not None and _dynamo_callback() is None else _enter_opaque)(
+        module, args, kwargs
+    )
+    if entry is None:
         return call(*args, **kwargs)
+    attempt = None
     try:
         while True:
             try:
                 result = call(*args, **kwargs)
             except torch.OutOfMemoryError as error:
+                attempt = attempt if attempt is not None else _Attempt.of(entry)
                 if not attempt.failed(error, args, kwargs):
                     raise
             else:
-                attempt.completed()
+                if attempt is not None:
+                    attempt.completed()
                 return result
             attempt.make_room()  # out of the `except`: the failed forward's frames, and their activations, are gone
     finally:
-        attempt.leave()
+        running.pop()
+
+
+def _enter(module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
+    """`(session, component, module, inputs)` of a guarded forward about to run, pushed on `running`, or `None` where
+    nothing is to be guarded: offload is not armed, or the call is nested in the module's own (a VAE's forward calls
+    `decode`). `inputs` are the input tensors' version counters (`_snapshot`): whether the forward changed one in
+    place can only be told from them."""
+    for entry in running:
+        if entry[2] is module:
+            return None
+    session, name = _holder(module)
+    if session is None:
+        return None
+    entry = (session, name, module, _snapshot(args, kwargs))
+    running.append(entry)
+    return entry
+
+
+_enter_opaque = _opaque(_enter)
 
 
 class _Attempt:
-    """One guarded call of a component: what was tried so far to make it fit (`_run` drives it)."""
+    """One guarded call of a component that ran out of device memory: what was tried so far to make it fit (`_run`
+    drives it)."""
 
-    def __init__(self, session, name: str, module, versions) -> None:
-        self.session, self.name, self.module, self.versions = session, name, module, versions
+    def __init__(self, session, name: str, module, inputs) -> None:
+        self.session, self.name, self.module, self.inputs = session, name, module, inputs
         self.tried: List[str] = []
         self.smallest: Optional[int] = None
         self.failed_held = 0
@@ -148,26 +192,14 @@ class _Attempt:
 
     @staticmethod
     @_opaque
-    def enter(module, args, kwargs) -> Optional["_Attempt"]:
-        """The attempt, or `None` where nothing is to be guarded: offload is not armed, or the call is nested in the
-        module's own (a VAE's forward calls `decode`)."""
-        if any(entry[2] is module for entry in running):
-            return None
-        session, name = _holder(module)
-        if session is None:
-            return None
-        running.append((session, name, module))
-        return _Attempt(session, name, module, _versions(args, kwargs))
-
-    @_opaque
-    def leave(self) -> None:
-        running.pop()
+    def of(entry: tuple) -> "_Attempt":
+        return _Attempt(*entry)
 
     @_opaque
     def failed(self, error, args, kwargs) -> bool:
         """The call raised `error`: whether it may run again once room is made (the next rung is then chosen).
         Raises `OffloadOutOfMemoryError` when no rung is left."""
-        why = not_retried(error, self.module, args, kwargs, self.versions)
+        why = not_retried(error, self.module, args, kwargs, self.inputs)
         if why is not None:
             if why:
                 logger.warning(f"`{self.name}` ran out of device memory and is not run again: {why}.")
@@ -239,12 +271,12 @@ def recovered(session, name: str, tried: List[str], failed_held: int) -> None:
 
 def running_names(session) -> Tuple[str, ...]:
     """The components of `session` whose guarded forward is running now (they must not be evicted)."""
-    return tuple(name for holder, name, _ in running if holder is session)
+    return tuple(entry[1] for entry in running if entry[0] is session)
 
 
-def not_retried(error, module, args, kwargs, versions) -> Optional[str]:
+def not_retried(error, module, args, kwargs, inputs) -> Optional[str]:
     """Why the forward that raised `error` must not run again (`""`: a nested component already gave up), or
-    `None` when it may."""
+    `None` when it may; `inputs`: its input tensors' version counters before it ran (`_snapshot`)."""
     if isinstance(error, OffloadOutOfMemoryError):
         return ""
     if module.training:
@@ -260,7 +292,7 @@ def not_retried(error, module, args, kwargs, versions) -> Optional[str]:
         odd = _odd(value, 0)
         if odd is not None:
             return f"its argument `{label}` holds a `{type(odd).__name__}`, which the failed forward may have changed"
-    for label, tensor, version in versions:
+    for label, tensor, version in inputs:
         if version_of(tensor) != version:
             return f"the failed forward changed its input `{label}` in place"
     return None
@@ -276,17 +308,19 @@ def _odd(value, depth: int):
     return value
 
 
-def _versions(args, kwargs) -> list:
-    """`(label, tensor, version)` of the input tensors (at the first level, and in a list, tuple or dict), to see an
-    input changed in place by a forward that then failed. Inference tensors have no counter: such a change is not
-    seen."""
+def _snapshot(args: tuple, kwargs: dict) -> list:
+    """`(label, tensor, version)` of the input tensors (at the first level, and the first `_MAX_ITEMS` items of a
+    list, tuple or dict), to see an input changed in place by a forward that then failed: the one thing about the
+    inputs that must be read before every forward. Inference tensors have no counter: such a change is not seen."""
     found = []
-    for label, value in list(enumerate(args)) + list(kwargs.items()):
+    for label, value in itertools.chain(enumerate(args), kwargs.items()):
         if isinstance(value, torch.Tensor):
-            found.append((label, value, version_of(value)))
-        elif isinstance(value, (list, tuple, dict)):
+            found.append((label, value, None if value.is_inference() else value._version))
+        elif isinstance(value, (list, tuple, dict)) and value:
             items = value.values() if isinstance(value, dict) else value
-            found += [(label, t, version_of(t)) for t in list(items)[:_MAX_ITEMS] if isinstance(t, torch.Tensor)]
+            found += [
+                (label, t, version_of(t)) for t in itertools.islice(items, _MAX_ITEMS) if isinstance(t, torch.Tensor)
+            ]
     return found
 
 
