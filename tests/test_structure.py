@@ -14,7 +14,8 @@ pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the package's 
 pytestmark = pytest.mark.plugin_only
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "diffusers_offload_ext"
-MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 320, 210, 45
+#: About 400 lines a module, a class as long as its idea (within its module), about 40 lines a function body.
+MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 420, 420, 45
 #: Printing code of the CLI and the report builds tables and figures line by line; the tiny test pipelines and the
 #: simulated accelerator are test helpers, not the package's logic.
 EXEMPT = ("cli/", "observe/report", "testing/")

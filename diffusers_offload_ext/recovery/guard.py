@@ -29,7 +29,6 @@ from ..units import format_size
 from ..runtime import sharing
 from .activations import describe
 from ..blocks.streams import stream_room
-from .measuring import held_bytes, make_room as carry_out_rung, recovered as learn
 
 logger = logging.get_logger(f"diffusers.{__name__}")
 
@@ -204,7 +203,7 @@ class _Attempt:
             if why:
                 logger.warning(f"`{self.name}` ran out of device memory and is not run again: {why}.")
             return False
-        self.failed_held = self.failed_held or held_bytes(self.session)
+        self.failed_held = self.failed_held or self.session.held_bytes()
         self.decision = rung(self.session, self.name, self.smallest) if len(self.tried) < MAX_RUNGS else None
         if self.decision is None or not self.decision.moves:
             if self.at_smallest or self.decision is None:  # a second error at the smallest residency
@@ -236,15 +235,15 @@ def rung(session, name: str, smallest: Optional[int]) -> Decision:
 
 
 def make_room(session, name: str, decision: Decision, smallest: Optional[int]) -> Tuple[str, Optional[int]]:
-    """Carry out `decision` (`measuring.make_room`); returns what it did, in words, and the least room `name` was
+    """Carry out `decision` (`Session.carry_out_rung`); returns what it did, in words, and the least room `name` was
     streamed in so far."""
-    before = held_bytes(session)
-    carry_out_rung(session, decision)
+    before = session.held_bytes()
+    session.carry_out_rung(decision)
     if not decision.moves:
         return "gave the cached memory back to the device (nothing more could leave it)", smallest
     evicted = [n for direction, n in decision.moves if direction == OFFLOAD and n != name]
     if evicted:
-        freed = format_size(max(before - held_bytes(session), 0))
+        freed = format_size(max(before - session.held_bytes(), 0))
         return f"evicted {', '.join(f'`{n}`' for n in evicted)} ({freed})", smallest
     room = decision.overflow.limit
     choice = session.streams.choices.get(name)
@@ -256,9 +255,9 @@ def make_room(session, name: str, decision: Decision, smallest: Optional[int]) -
 
 def recovered(session, name: str, tried: List[str], failed_held: int) -> None:
     """One log line per recovery, and the session learns from it."""
-    learn(session, name, failed_held)
+    session.recovered(name, failed_held)
     limit = (
-        f" From now on, calls of this shape keep at most {format_size(held_bytes(session))} of weights on the device "
+        f" From now on, calls of this shape keep at most {format_size(session.held_bytes())} of weights on the device "
         f"while `{name}` runs (`doe.offload_status(pipe).learnt`)."
         if hasattr(session.policy, "limit_while")
         else ""

@@ -6,7 +6,7 @@ structure changed or its weights were moved from outside. It moves nothing whole
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Callable, Dict, Iterator, List, Optional, Set
+from typing import Dict, Iterator, List, Optional, Set
 
 import torch
 from diffusers.utils import logging
@@ -42,7 +42,7 @@ class Placement:
     """The armed components of one pipeline and where they are.
 
     Args:
-        record (`Callable`): The pipeline's move recorder (`Recorder.record`), for the moves of streamed blocks.
+        recorder (`Recorder`): The pipeline's move recorder, for the moves of streamed blocks.
         calls (`CallTracker`): The pipeline's calls (what a stream learned in a failed call is not used).
 
     Attributes:
@@ -57,12 +57,12 @@ class Placement:
             for `offload_status` and the budget.
     """
 
-    def __init__(self, record: Callable, calls) -> None:
+    def __init__(self, recorder, calls) -> None:
         self.modules: Dict[str, torch.nn.Module] = {}
         self.entries: Dict = {}
         self.resident: Set[str] = set()
         self.readable = False
-        self.streams = BlockStreams(record, calls)
+        self.streams = BlockStreams(recorder, calls)
         self.stream_rooms: Dict[str, int] = {}
         self._rooms_at: Dict[str, int] = {}  # each component's bytes when its stream room was measured
         self._names: Dict[int, str] = {}
