@@ -157,7 +157,7 @@ class Session:
         if name in self.resident and not others and self.transfer is not None:
             self.move(name, OFFLOAD)
         sharing.leave(self, module)
-        self.resident.discard(name)
+        self.placement.left(name)
 
     def moved_outside(self, target: Optional[torch.device]) -> None:
         """`pipe.to(...)` moved components (see `Placement.moved_outside`)."""
