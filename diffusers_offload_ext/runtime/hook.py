@@ -88,10 +88,10 @@ _SCALARS = (int, float, bool, str, type(None))
 def in_place(values, device: torch.device, readable: bool) -> bool:
     """Whether every input is a tensor already on `device`, or a plain scalar: sending them would change nothing.
     Where the tensors cannot tell (the plain CPU: host and device are the same memory), a CPU tensor is in place."""
+    host = not readable and device.type == "cpu"  # read without making a device object per tensor
     for value in values:
         if type(value) is torch.Tensor:
-            where = value.device
-            if where != device and (readable or where.type != device.type):
+            if not value.is_cpu if host else value.device != device and (readable or value.device.type != device.type):
                 return False
         elif not isinstance(value, _SCALARS):
             return False

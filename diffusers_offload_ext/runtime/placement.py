@@ -70,6 +70,8 @@ class Placement:
         self.stream_rooms: Dict[str, int] = {}
         self._rooms_at: Dict[str, int] = {}  # each component's bytes when its stream room was measured
         self._names: Dict[int, str] = {}
+        self._shared: FrozenSet[str] = frozenset()
+        self._shared_at = -1  # `sharing.changes` when `_shared` was read
         self.fixed: Dict[str, torch.nn.Module] = {}
         self._book = None
 
@@ -104,6 +106,13 @@ class Placement:
             self._read = Entry.flips
             self._resident = frozenset(n for n, e in self.entries.items() if e.resident and n not in self._left)
         return self._resident
+
+    def shared(self, name: str) -> bool:
+        """Whether another pipeline holds component `name` too (read again only when who holds what changed)."""
+        if self._shared_at != sharing.changes:
+            self._shared_at = sharing.changes
+            self._shared = frozenset(n for n, module in self.modules.items() if sharing.shared(module))
+        return name in self._shared
 
     def left(self, name: str) -> None:
         """Component `name` left the pipeline: it no longer counts here, wherever it is (until armed again)."""

@@ -279,7 +279,7 @@ class Session:
         """This session runs or moves its component `name`: where another pipeline sharing it keeps it streaming, that
         stream stops first (into that pipeline's ledger), and this session places it by its own policy. Whether one
         stopped."""
-        if name in self.streams.active:
+        if name in self.streams.active or not self.placement.shared(name):
             return False
         module, stopped = self.modules[name], False
         for other in sharing.holders(module):
