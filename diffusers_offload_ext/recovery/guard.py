@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import itertools
 from typing import List, Optional, Tuple
 
 import torch
@@ -27,6 +26,7 @@ from ..policies import Decision
 from ..transfer.inference import version_of
 from ..units import format_size
 from ..runtime import sharing
+from ..runtime.inputs import snapshot
 from .activations import describe
 from ..blocks.streams import stream_room
 
@@ -39,8 +39,10 @@ MAX_RUNGS = 8
 _PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 _MAX_ITEMS = 64
 
-#: The guarded forwards running now, innermost last: `(session, component, module, inputs)` (`_enter`).
-running: List[Tuple[object, str, torch.nn.Module]] = []
+#: The guarded calls running now, innermost last: `[module, inputs]`, `inputs` being its input tensors' version
+#: counters (`runtime/inputs.py`), read by the module's hook as it reads the inputs (by the guard itself for
+#: `encode`/`decode`, whose hook sees none), or `None` before that (a load that failed: the forward never ran).
+running: List[list] = []
 
 
 class OffloadOutOfMemoryError(torch.OutOfMemoryError):
@@ -56,11 +58,11 @@ def guard(module: torch.nn.Module) -> None:
     compiled = module.__dict__.get("_compiled_call_impl")
     if compiled is not None:  # compiled in place: around the compiled call, where Dynamo never sees the guard's frame
         if not _guarded(compiled):
-            module._compiled_call_impl = functools.partial(_run, module, compiled)
+            module._compiled_call_impl = functools.partial(_run, module, compiled, False)
         return _guard_methods(module)
     forward = module.__dict__.get("forward")
     if forward is not None and not _guarded(forward):
-        module.forward = _guarding(module, forward)
+        module.forward = _guarding(module, forward, False)
     _guard_methods(module)
 
 
@@ -68,12 +70,13 @@ def _guard_methods(module: torch.nn.Module) -> None:
     for method in GUARDED:
         bound = getattr(module, method, None)
         if callable(bound) and not _guarded(bound) and method not in module.__dict__:
-            module.__dict__[method] = _guarding(module, bound)
+            module.__dict__[method] = _guarding(module, bound, True)
 
 
-def _guarding(module: torch.nn.Module, call):
-    """`call` (a method of `module`) guarded: what `inspect.signature` reads of it is `call`'s own signature."""
-    guarded = functools.partial(_run, module, call)
+def _guarding(module: torch.nn.Module, call, reads: bool):
+    """`call` (a method of `module`) guarded (`reads`: the guard reads its inputs, which its hook does not see): what
+    `inspect.signature` reads of it is `call`'s own signature."""
+    guarded = functools.partial(_run, module, call, reads)
     guarded.__wrapped__ = call
     return guarded
 
@@ -122,31 +125,34 @@ def _opaque(fn):
 
 
 #: Dynamo's frame callback, set while it compiles or runs compiled code (`None` in eager code); `None` where this
-#: torch does not tell it (the guard's bookkeeping is then always hidden from Dynamo).
+#: torch does not tell it (the guard's reading of inputs is then always hidden from Dynamo).
 _dynamo_callback = getattr(
     getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", None
 )
 
 
 @_skip_frame
-def _run(module: torch.nn.Module, call, *args, **kwargs):
-    """Run `call` (a guarded forward of `module`); on an out-of-memory error make room and run it again.
+def _run(module: torch.nn.Module, call, reads: bool, *args, **kwargs):
+    """Run `call` (a guarded forward of `module`; `reads`: one whose hook does not see its inputs); on an
+    out-of-memory error make room and run it again.
 
-    What an error needs that only the moment before the forward can tell is taken then (`_enter`: the inputs' version
-    counters); the rest is read only when an error happens (`_Attempt`). In eager code the bookkeeping is called
-    plainly; where Dynamo runs (this frame is skipped, what it calls is compiled), hidden from it."""
-    entry = (_enter if _dynamo_callback is not None and _dynamo_callback() is None else _enter_opaque)(
-        module, args, kwargs
-    )
-    if entry is None:
-        return call(*args, **kwargs)
+    Before the call only what an error cannot tell afterwards is read: the input tensors' version counters, by the
+    module's hook as it reads the inputs anyway (or here, for `encode`/`decode`). Everything else (which session runs
+    it, training mode, stateful hooks, odd arguments) is read when an error happens (`_Attempt`)."""
+    for slot in running:
+        if (
+            slot[0] is module
+        ):  # nested in the module's own guarded call (a VAE's forward calls `decode`): guarded there
+            return call(*args, **kwargs)
+    slot = [module, _read(args, kwargs) if reads else None]
+    running.append(slot)
     attempt = None
     try:
         while True:
             try:
                 result = call(*args, **kwargs)
             except torch.OutOfMemoryError as error:
-                attempt = attempt if attempt is not None else _Attempt.of(entry)
+                attempt = attempt if attempt is not None else _Attempt.of(slot)
                 if not attempt.failed(error, args, kwargs):
                     raise
             else:
@@ -158,31 +164,27 @@ def _run(module: torch.nn.Module, call, *args, **kwargs):
         running.pop()
 
 
-def _enter(module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
-    """`(session, component, module, inputs)` of a guarded forward about to run, pushed on `running`, or `None` where
-    nothing is to be guarded: offload is not armed, or the call is nested in the module's own (a VAE's forward calls
-    `decode`). `inputs` are the input tensors' version counters (`_snapshot`): whether the forward changed one in
-    place can only be told from them."""
-    for entry in running:
-        if entry[2] is module:
-            return None
-    session, name = _holder(module)
-    if session is None:
-        return None
-    entry = (session, name, module, _snapshot(args, kwargs))
-    running.append(entry)
-    return entry
+def _read(args: tuple, kwargs: dict) -> list:
+    """The input tensors' version counters, read by the guard (plainly in eager code, hidden from Dynamo where it
+    runs)."""
+    if _dynamo_callback is not None and _dynamo_callback() is None:
+        return snapshot(args, kwargs)
+    return _opaque(snapshot)(args, kwargs)
 
 
-_enter_opaque = _opaque(_enter)
+def reading(module: torch.nn.Module) -> Optional[list]:
+    """The slot of `module`'s guarded call when its hook is to read the input tensors' version counters into it (at
+    `[1]`), else `None` (not guarded, read already, or read by the guard)."""
+    slot = running[-1] if running else None
+    return slot if slot is not None and slot[0] is module and slot[1] is None else None
 
 
 class _Attempt:
     """One guarded call of a component that ran out of device memory: what was tried so far to make it fit (`_run`
     drives it)."""
 
-    def __init__(self, session, name: str, module, inputs) -> None:
-        self.session, self.name, self.module, self.inputs = session, name, module, inputs
+    def __init__(self, session, name: str, slot: list) -> None:
+        self.session, self.name, self.module, self.slot = session, name, slot[0], slot
         self.tried: List[str] = []
         self.smallest: Optional[int] = None
         self.failed_held = 0
@@ -191,14 +193,17 @@ class _Attempt:
 
     @staticmethod
     @_opaque
-    def of(entry: tuple) -> "_Attempt":
-        return _Attempt(*entry)
+    def of(slot: list) -> "_Attempt":
+        session, name = _holder(slot[0])
+        return _Attempt(session, name, slot)
 
     @_opaque
     def failed(self, error, args, kwargs) -> bool:
         """The call raised `error`: whether it may run again once room is made (the next rung is then chosen).
-        Raises `OffloadOutOfMemoryError` when no rung is left."""
-        why = not_retried(error, self.module, args, kwargs, self.inputs)
+        Raises `OffloadOutOfMemoryError` when no rung is left; `False` where offload is not armed."""
+        if self.session is None:
+            return False
+        why = not_retried(error, self.module, args, kwargs, self.slot[1] or ())
         if why is not None:
             if why:
                 logger.warning(f"`{self.name}` ran out of device memory and is not run again: {why}.")
@@ -270,12 +275,13 @@ def recovered(session, name: str, tried: List[str], failed_held: int) -> None:
 
 def running_names(session) -> Tuple[str, ...]:
     """The components of `session` whose guarded forward is running now (they must not be evicted)."""
-    return tuple(entry[1] for entry in running if entry[0] is session)
+    held = [_holder(slot[0]) for slot in running]
+    return tuple(name for holder, name in held if holder is session)
 
 
 def not_retried(error, module, args, kwargs, inputs) -> Optional[str]:
     """Why the forward that raised `error` must not run again (`""`: a nested component already gave up), or
-    `None` when it may; `inputs`: its input tensors' version counters before it ran (`_snapshot`)."""
+    `None` when it may; `inputs`: its input tensors' version counters before it ran (`runtime/inputs.py`)."""
     if isinstance(error, OffloadOutOfMemoryError):
         return ""
     if module.training:
@@ -305,22 +311,6 @@ def _odd(value, depth: int):
         items = list(value.values() if isinstance(value, dict) else value)[:_MAX_ITEMS]
         return next((odd for odd in (_odd(item, depth + 1) for item in items) if odd is not None), None)
     return value
-
-
-def _snapshot(args: tuple, kwargs: dict) -> list:
-    """`(label, tensor, version)` of the input tensors (at the first level, and the first `_MAX_ITEMS` items of a
-    list, tuple or dict), to see an input changed in place by a forward that then failed: the one thing about the
-    inputs that must be read before every forward. Inference tensors have no counter: such a change is not seen."""
-    found = []
-    for label, value in itertools.chain(enumerate(args), kwargs.items()):
-        if isinstance(value, torch.Tensor):
-            found.append((label, value, None if value.is_inference() else value._version))
-        elif isinstance(value, (list, tuple, dict)) and value:
-            items = value.values() if isinstance(value, dict) else value
-            found += [
-                (label, t, version_of(t)) for t in itertools.islice(items, _MAX_ITEMS) if isinstance(t, torch.Tensor)
-            ]
-    return found
 
 
 def final_message(session, name: str, tried: List[str], error) -> str:
