@@ -38,7 +38,7 @@ REST = "<rest>"
 @functools.lru_cache(maxsize=16)
 def _block_counts(class_name: str, library: Optional[str], config_json: str) -> tuple:
     """`((block, floating elements, ((dtype, elements), ...), linear weights), ...)` of the class built on meta."""
-    from ..blocks.find import find_blocks
+    from .. import find_blocks
     from .meta import build_on_meta, kept_in_fp32, linear_weights, tally
 
     found = []
