@@ -78,7 +78,7 @@ def stream_room(module) -> Optional[int]:
 
 
 def block_choice(module, room: int, uses: Optional[Dict[str, int]] = None) -> Tuple[Optional[BlockChoice], list, str]:
-    """`(choice, blocks, why not)`: how `module` streams within `room` bytes (`policies.blocks.choose_blocks` over its
+    """`(choice, blocks, why not)`: how `module` streams within `room` bytes (`blocks.choice.choose_blocks` over its
     blocks, its rest kept, each block weighed by `uses`, 1 if not given); the choice is `None` when it cannot stream,
     and `why not` says why."""
     items, blocks, why = _items(module, uses)

@@ -61,7 +61,7 @@ def check_request(
 ) -> Request:
     """Every argument parsed and bounded, before any work (`PlanError` names the first bad one; a reserve that leaves
     nothing of the card for weights is one). With `activations` (a known size), the reserve is what the runtime
-    leaves for them once it has seen a call of that shape (`policies.reserve.reserve_for`: them and a margin)."""
+    leaves for them once it has seen a call of that shape (`residency.reserve.reserve_for`: them and a margin)."""
     vram_bytes = parse_bytes(vram, argument="--vram")
     reserve_bytes = first = parse_bytes(reserve, argument="--reserve", allow_zero=True)
     known = None if activations is None else parse_bytes(activations, argument="--activations")

@@ -100,7 +100,7 @@ def attach(pipe, session) -> Dict[str, DeferredCpuOffload]:
         module = session.modules[name]
         hook = DeferredCpuOffload(session, name, session.device, prev_module_hook=previous if name in chain else None)
         add_hook_to_module(module, hook, append=True)
-        recovery.guard(module)  # an out-of-memory error in its forward: room made, run again (`recovery.py`)
+        recovery.guard(module)  # an out-of-memory error in its forward: room made, run again (`recovery/guard.py`)
         hooks[name] = hook
         if name in watched:
             continue

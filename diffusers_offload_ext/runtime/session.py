@@ -51,7 +51,7 @@ class Session:
         self.exclusion = Exclusion()
         self.forecasts: dict = {}  # the residency policies' value tables, kept across this pipeline's policies
         self.active = False
-        self.activations = Activations()  # what each call shape's activations need (`runtime/activations.py`)
+        self.activations = Activations()  # what each call shape's activations need (`recovery/activations.py`)
 
     # -- read through ----------------------------------------------------------------------------------------------
     ledger = property(lambda self: self.recorder.ledger)
