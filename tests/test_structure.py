@@ -263,30 +263,12 @@ def test_the_runtime_never_imports_the_test_pipelines():
 def module_graph():
     """`{module: modules it imports}` over the package, imports inside functions included (`a.b` for `a/b.py`, `a`
     for `a/__init__.py`)."""
-    names = {}
-    for path in modules():
-        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
-        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     graph = {}
-    for name, path in names.items():
-        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-        package = [part for part in package if part]
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                if node.level == 0 and not (node.module or "").startswith("diffusers_offload_ext"):
-                    continue
-                base = node.module.split(".")[1:] if node.level == 0 else package[: len(package) - node.level + 1]
-                base = base + (node.module.split(".") if node.level and node.module else [])
-                for alias in node.names:
-                    target = ".".join(base + [alias.name])
-                    found.add(target if target in names else ".".join(base))
-            elif isinstance(node, ast.Import):
-                found.update(
-                    a.name.split(".", 1)[1] for a in node.names if a.name.startswith("diffusers_offload_ext.")
-                )
-        graph[name] = {target for target in found if target in names and target != name}
-    return graph
+    for path in modules():
+        name = dotted(relative(path))
+        graph[name] = {module for module, _ in internal_imports(path) if module != name}
+    known = set(graph)
+    return {name: targets & known for name, targets in graph.items()}
 
 
 def circles(graph):
