@@ -16,8 +16,7 @@ _MAX_ITEMS = 64
 
 
 def not_retried(module, args, kwargs, versions) -> Optional[str]:
-    """Why `module`'s forward, called with `args` and `kwargs` (whose input tensors had `versions` before it ran: see
-    `versions`), must not run again after it failed, or `None` when it may."""
+    """Why `module`'s forward, called with `args` and `kwargs` (whose input tensors had `versions` before it ran: `runtime/inputs.py`), must not run again after it failed, or `None` when it may."""
     if module.training:
         why = _unsafe_in_training(module)
         if why is not None:
@@ -67,17 +66,3 @@ def _odd(value, depth: int):
         items = list(value.values() if isinstance(value, dict) else value)[:_MAX_ITEMS]
         return next((odd for odd in (_odd(item, depth + 1) for item in items) if odd is not None), None)
     return value
-
-
-def versions(args, kwargs) -> list:
-    """`(label, tensor, version)` of the input tensors (at the first level, and in a list, tuple or dict), to see an
-    input changed in place by a forward that then failed. Inference tensors have no counter: such a change is not
-    seen."""
-    found = []
-    for label, value in list(enumerate(args)) + list(kwargs.items()):
-        if isinstance(value, torch.Tensor):
-            found.append((label, value, version_of(value)))
-        elif isinstance(value, (list, tuple, dict)):
-            items = value.values() if isinstance(value, dict) else value
-            found += [(label, t, version_of(t)) for t in list(items)[:_MAX_ITEMS] if isinstance(t, torch.Tensor)]
-    return found

@@ -2,7 +2,7 @@
 one call to the next if asked, and evict what the predicted future needs least.
 
 A component that does not fit even alone streams its blocks within the limit (`STREAM`, carried out by the runtime,
-see `blocks.py`); one that fits alone but not beside the resident ones streams in the room they leave instead of
+see `blocks/`); one that fits alone but not beside the resident ones streams in the room they leave instead of
 evicting them, when the prediction runs it only once more in the call, the facts say it can in that room (`Facts.stream_rooms`)
 and the bytes saved against stock cover a wrong prediction.
 

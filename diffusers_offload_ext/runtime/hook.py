@@ -12,7 +12,7 @@ from accelerate.utils import send_to_device
 
 from ..marks import HOOK_MARK, extension_hook
 from ..recovery import guard as recovery
-from . import sharing
+from . import inputs, sharing
 
 _compiler_disable = getattr(getattr(torch, "compiler", None), "disable", lambda fn: fn)
 
@@ -60,9 +60,11 @@ class DeferredCpuOffload(CpuOffload):
         # diffusers' `apply_forward_hook` (VAE encode/decode) calls `pre_forward(module)` with no inputs.
         if not args and not kwargs:
             return args, kwargs
-        if in_place(args, self.execution_device, self.session.readable) and in_place(
-            kwargs.values(), self.execution_device, self.session.readable
-        ):
+        slot = recovery.reading(module)  # its out-of-memory guard keeps the input tensors' version counters
+        placed, versions = inputs.read(args, kwargs, self.execution_device, self.session.readable, slot is not None)
+        if slot is not None:
+            slot[1] = versions
+        if placed:
             return args, kwargs  # what `send_to_device` would return, without walking the inputs again
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
@@ -91,22 +93,6 @@ class OffloadHandle(UserCpuOffloadHook):
         remove_hook_from_module(self.model)
 
 
-_SCALARS = (int, float, bool, str, type(None))
-
-
-def in_place(values, device: torch.device, readable: bool) -> bool:
-    """Whether every input is a tensor already on `device`, or a plain scalar: sending them would change nothing.
-    Where the tensors cannot tell (the plain CPU: host and device are the same memory), a CPU tensor is in place."""
-    for value in values:
-        if type(value) is torch.Tensor:
-            where = value.device
-            if where != device and (readable or where.type != device.type):
-                return False
-        elif not isinstance(value, _SCALARS):
-            return False
-    return True
-
-
 def ours(module: torch.nn.Module):
     """The `DeferredCpuOffload` attached to `module` (alone or in accelerate's `SequentialHook`), or `None`."""
     return extension_hook(getattr(module, "_hf_hook", None))
@@ -126,7 +112,7 @@ def attach(pipe, session) -> Dict[str, DeferredCpuOffload]:
         module = session.modules[name]
         hook = DeferredCpuOffload(session, name, session.device, prev_module_hook=previous if name in chain else None)
         add_hook_to_module(module, hook, append=True)
-        recovery.guard(module)  # an out-of-memory error in its forward: room made, run again (`recovery.py`)
+        recovery.guard(module)  # an out-of-memory error in its forward: room made, run again (`recovery/guard.py`)
         hooks[name] = hook
         if name in watched:
             continue
