@@ -14,7 +14,7 @@ from ..constants import OFFLOAD, ONLOAD, PREFETCH, STREAM
 from ..ledger import Recorder
 from ..marks import SESSION_ATTR, get_session
 from ..policies import NOTHING, Decision, Facts, Policy
-from ..transfer import COPY_STREAMS, Transfer, make_transfer
+from ..transfer import Transfer, make_transfer
 from ..pinning import store as pinned
 from . import sharing
 from ..recovery.activations import Activations
@@ -82,7 +82,7 @@ class Session:
         self.arming = arming
         for name in self.placement.take(modules, self.transfer, holder=self, fixed=fixed):
             self.move(name, OFFLOAD)  # on another accelerator (the device changed): home first
-        self.placement.keep_host_copies(self.transfer, arming.options.drops, arming.arrangement.excluded)
+        self.placement.keep_host_copies(self.transfer, arming.fast.drops, arming.arrangement.excluded)
         self.placement.measure_streams(list(arming.arrangement.hooked) if arming.options.residency else [])
 
     def decide_with(self, policy: Policy, capacity: Optional[Callable] = None, arming=None) -> None:
@@ -160,9 +160,9 @@ class Session:
         """`pipe.to(...)` moved components (see `Placement.moved_outside`)."""
         self.placement.moved_outside(target, self.transfer)
 
-    def begin_call(self) -> None:
-        """A pipeline call begins: placements checked, the ones the options keep on the device put back there."""
-        if not self.calls.begin():
+    def begin_call(self, callbacks: bool = True) -> None:
+        """A pipeline call begins (`callbacks`: with a step callback): placements checked, the ones kept put back."""
+        if not self.calls.begin(callbacks):
             return
         sharing.running.append(self)
         if not self.active:
@@ -206,7 +206,7 @@ class Session:
                 self.move(name, direction)
                 continue
             module = self.modules[name]
-            if self.streams.begin(name, module, decision.overflow, self.transfer, self.options.drops):
+            if self.streams.begin(name, module, decision.overflow, self.transfer, self.arming.fast.drops):
                 self.placement.placed(module, True)
             else:
                 self.move(name, ONLOAD)  # it cannot stream: loaded whole, alone
@@ -278,9 +278,9 @@ def _transferred(session: Session, name: str, direction: str, ahead: bool):
     module, transfer = session.modules[name], session.transfer
     if direction != ONLOAD:
         return transfer.offload(module)
-    keep_host = (session.options.drops or transfer.pinning is not None) and name not in session.policy.stays
+    keep_host = (session.arming.fast.drops or transfer.pinning is not None) and name not in session.policy.stays
     onload = transfer.prefetch if ahead else transfer.onload
-    return onload(module, keep_host=keep_host, check=session.options.drops)
+    return onload(module, keep_host=keep_host, check=session.arming.fast.drops)
 
 
 def _booker(session: Session, module: torch.nn.Module) -> Session:
@@ -305,10 +305,10 @@ def _transfer_for(session: Session, arming) -> Transfer:
         for name in sorted(session.resident & set(session.modules)):
             session.move(name, OFFLOAD)
         transfer = None
-    overlaps = arming.options.prefetches and arming.device.type in COPY_STREAMS
+    overlaps = arming.fast.prefetch  # only where the device has a copy stream (`fast_paths.resolve`)
     if transfer is None or transfer.asynchronous != overlaps:
         transfer = make_transfer(arming.device, prefetch=overlaps)
-    transfer.pinning = pinned.store_for(arming.device) if arming.options.pins is not False else None
+    transfer.pinning = pinned.store_for(arming.device) if arming.fast.page_locked else None
     return transfer
 
 
