@@ -179,3 +179,13 @@ def test_streamed_blocks_are_spread_through_the_forward():
     assert sorted(keep_most_used([Item(i, 10, 1) for i in range(8)], 40)) == [0, 2, 4, 6]
     # Blocks of other sizes or uses keep their order of preference: most uses, then larger.
     assert keep_most_used([Item("a", 10, 1), Item("b", 10, 3), Item("c", 20, 1)], 30) == {"b", "c"}
+
+
+def test_the_printed_status_says_how_bytes_move(accelerator):
+    pipe = tiny.build(NAME)
+    pipe.enable_model_cpu_offload(device="cpu")
+    text = str(doe.offload_status(pipe))
+    if accelerator is None:
+        assert "moves: plain copies (pageable, copied back)" in text
+    else:
+        assert "moves: unchanged weights dropped, not copied back" in text and "page-locked" not in text
