@@ -189,3 +189,19 @@ def test_the_printed_status_says_how_bytes_move(accelerator):
         assert "moves: plain copies (pageable, copied back)" in text
     else:
         assert "moves: unchanged weights dropped, not copied back" in text and "page-locked" not in text
+
+
+def test_doctor_says_which_fast_paths_the_defaults_use_and_why(capsys):
+    """On this machine (no accelerator) `doctor` reports the plain CPU's: no fast path, each with its reason."""
+    import json
+
+    from diffusers_offload_ext.cli import main
+
+    assert main(["doctor", "--no-bandwidth", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)["fast_paths"]
+    if "cpu:0" not in found:
+        pytest.skip("an accelerator is here: doctor reports it instead")
+    fast = found["cpu:0"]
+    assert not fast["accelerator"] and not (fast["drops"] or fast["page_locked"] or fast["prefetch"])
+    assert set(fast["why"]) == {"zero_copy_eviction", "pin_memory", "prefetch"}
+    assert "plain CPU" in fast["why"]["pin_memory"]
