@@ -7,6 +7,7 @@ unregistered whatever happened).
 
 from __future__ import annotations
 
+import mmap
 from typing import NamedTuple, Optional
 
 import torch
@@ -31,7 +32,9 @@ def check(device: torch.device, locker: Optional[Locker], streamed: bool) -> Ver
     if locker is None:
         return Verdict(False, "self-check failed: no driver to page-lock host memory with")
     pattern = (torch.arange(NBYTES, dtype=torch.int64) * 37 % 251 + 1).to(torch.uint8)
-    room = torch.zeros(2 * NBYTES + 64, dtype=torch.uint8)
+    # Pages of its own (an anonymous mapping): no page shared with memory already registered for another device.
+    mapping = mmap.mmap(-1, 2 * NBYTES + 64)
+    room = torch.frombuffer(mapping, dtype=torch.uint8)
     start = 17  # neither end on a page boundary
     sent, back = room[start : start + NBYTES], room[start + NBYTES + 8 : start + 2 * NBYTES + 8]
     sent.copy_(pattern)
