@@ -56,9 +56,10 @@ def cuda_fused(
         for words in parts:
             base, count = words.data_ptr(), words.numel()
             rows += [(base + 8 * start, min(chunk, count - start)) for start in range(0, count, chunk)]
-        # From page-locked memory and non-blocking: a blocking copy would wait for the whole stream (PyTorch's copy
-        # synchronizes the stream after a blocking host-to-device copy); the caching host allocator keeps the host
-        # tensor until the copy is done (it records an event for non-blocking copies from its memory).
+        # From page-locked memory and non-blocking: a blocking copy waits for the whole stream (PyTorch's copy kernel,
+        # aten/src/ATen/native/cuda/Copy.cu, calls c10/cuda's memcpy_and_sync: cudaMemcpyAsync then
+        # cudaStreamSynchronize), where a non-blocking one from its caching host allocator's memory records an event
+        # that keeps the host tensor until the copy is done.
         table = torch.tensor(rows, dtype=torch.int64).reshape(-1).pin_memory().to(device, non_blocking=True)
         out = torch.empty(len(rows), dtype=torch.int64, device=device)
         with torch.cuda.device(device):
