@@ -272,6 +272,9 @@ class BlockStreams:
         if streamer is None or choice is None:
             return None
         per_pass = sum(streamer.streamed[n].nbytes for n in streamer.order)
-        return BlockStatus(
-            tuple(choice.kept), tuple(streamer.order), choice.ring_bytes, choice.slots, choice.device_bytes, per_pass
+        # On the device: the kept blocks at their own bytes (the choice weighs them at their sizes in a ring buffer,
+        # aligned), and the ring while it is allocated.
+        held = sum(block.nbytes for block in streamer.kept) + (
+            streamer.ring.nbytes if streamer.ring is not None else 0
         )
+        return BlockStatus(tuple(choice.kept), tuple(streamer.order), choice.ring_bytes, choice.slots, held, per_pass)

@@ -5,10 +5,10 @@ streamed in less and less room), and runs it again after each; at its smallest r
 `OffloadOutOfMemoryError`, which says what was tried and what to change. The guard is around accelerate's forward,
 so a load that runs out of memory (the transfer puts back what it moved) is caught as well.
 
-Inference forwards of diffusers' models are pure, so running one again is safe. Where it may not be, the error
-propagates as it is: a module in training mode (dropout draws random numbers), a stateful diffusers hook on it (a
-cache that the failed forward may have changed), an argument that is not plain data (a `torch.Generator`, a
-transformers cache object), an input tensor changed in place by the failed forward (its version counter moved).
+Inference forwards of diffusers' models are pure, so running one again is safe. Where it may not be
+(`retries.py`: a module in training mode with gradients on, an active dropout or a batch norm updating its running
+statistics, a stateful diffusers hook, an argument that is not plain data, an input changed in place), the error
+propagates as it is.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from diffusers.utils import logging
 from ..constants import OFFLOAD
 from ..marks import extension_hook
 from ..policies import Decision
-from ..transfer.inference import version_of
 from ..units import format_size
 from ..runtime import sharing
 from .activations import describe
 from ..blocks.streams import stream_room
 from .measuring import held_bytes, make_room as carry_out_rung, recovered as learn
+from .retries import not_retried, versions as _versions
 
 logger = logging.get_logger(f"diffusers.{__name__}")
 
@@ -36,8 +36,6 @@ logger = logging.get_logger(f"diffusers.{__name__}")
 GUARDED = ("encode", "decode")
 #: Most rungs one recovery climbs (each ends at a smaller residency; this bounds it whatever happens).
 MAX_RUNGS = 8
-_PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-_MAX_ITEMS = 64
 
 #: The guarded forwards running now, innermost last: `(session, component, module)`.
 running: List[Tuple[object, str, torch.nn.Module]] = []
@@ -51,31 +49,45 @@ class OffloadOutOfMemoryError(torch.OutOfMemoryError):
 def guard(module: torch.nn.Module) -> None:
     """Guard `module`'s forward (accelerate's, which calls the hook's `pre_forward`: a load that runs out of memory is
     caught too; compiled in place, its compiled call instead, so that Dynamo meets no frame of ours inside it) and its
-    `encode`/`decode` (which call the hook themselves). Idempotent. Accelerate's
-    `remove_hook_from_module` puts the forward back; `unguard` takes the rest off."""
+    `encode`/`decode` (which call the hook themselves); a component without a hook (excluded, under the residency
+    manager), its own forward. Idempotent. Each guard keeps what code reads from the method it
+    wraps (`_wrapped`): its signature, name and docstring. Accelerate's `remove_hook_from_module` puts the forward
+    back; `unguard` takes the rest off."""
     compiled = module.__dict__.get("_compiled_call_impl")
     if compiled is not None:  # compiled in place: around the compiled call, where Dynamo never sees the guard's frame
         if not _guarded(compiled):
-            module._compiled_call_impl = functools.partial(_run, module, compiled)
+            module._compiled_call_impl = _wrapped(module, compiled)
         return _guard_methods(module)
-    forward = module.__dict__.get("forward")
-    if forward is not None and not _guarded(forward):
-        module.forward = functools.partial(_run, module, forward)
+    forward = module.__dict__.get("forward") or module.forward  # accelerate's; without a hook, its own
+    if not _guarded(forward):
+        module.forward = _wrapped(module, forward)
     _guard_methods(module)
+
+
+def _wrapped(module: torch.nn.Module, call) -> functools.partial:
+    """`call` run through the guard, looking like `call` to whoever inspects it: diffusers reads a forward's signature
+    (`inspect.signature(vae.forward)`: does it take `num_frames`?), which `__wrapped__` leads to."""
+    return functools.update_wrapper(functools.partial(_run, module, call), call)
 
 
 def _guard_methods(module: torch.nn.Module) -> None:
     for method in GUARDED:
         bound = getattr(module, method, None)
         if callable(bound) and not _guarded(bound) and method not in module.__dict__:
-            module.__dict__[method] = functools.partial(_run, module, bound)
+            module.__dict__[method] = _wrapped(module, bound)
 
 
 def unguard(module: torch.nn.Module) -> None:
-    """Take the guard off `module`'s `encode`/`decode` and its compiled call (its hook leaves)."""
+    """Take the guard off `module`'s `encode`/`decode`, its compiled call and its own forward (its hook leaves, or
+    offload is armed again)."""
     compiled = module.__dict__.get("_compiled_call_impl")
     if _guarded(compiled):
         module._compiled_call_impl = compiled.args[1]
+    forward = module.__dict__.get("forward")
+    if (
+        _guarded(forward) and getattr(forward.args[1], "__self__", None) is module
+    ):  # not accelerate's: it puts that back
+        del module.__dict__["forward"]
     for method in GUARDED:
         if _guarded(module.__dict__.get(method)):
             del module.__dict__[method]
@@ -88,7 +100,7 @@ def _guarded(call) -> bool:
 def _holder(module: torch.nn.Module):
     """`(session, component)` that runs `module` now, or `(None, None)` where offload is not armed."""
     hook = extension_hook(getattr(module, "_hf_hook", None))
-    session = getattr(hook, "session", None)
+    session = getattr(hook, "session", None) if hook is not None else next(iter(sharing.holders(module)), None)
     if session is None or not session.active:
         return None, None
     if sharing.running and sharing.running[-1] is not session:
@@ -167,7 +179,8 @@ class _Attempt:
     def failed(self, error, args, kwargs) -> bool:
         """The call raised `error`: whether it may run again once room is made (the next rung is then chosen).
         Raises `OffloadOutOfMemoryError` when no rung is left."""
-        why = not_retried(error, self.module, args, kwargs, self.versions)
+        nested = isinstance(error, OffloadOutOfMemoryError)  # a nested component already gave up
+        why = "" if nested else not_retried(self.module, args, kwargs, self.versions)
         if why is not None:
             if why:
                 logger.warning(f"`{self.name}` ran out of device memory and is not run again: {why}.")
@@ -240,54 +253,6 @@ def recovered(session, name: str, tried: List[str], failed_held: int) -> None:
 def running_names(session) -> Tuple[str, ...]:
     """The components of `session` whose guarded forward is running now (they must not be evicted)."""
     return tuple(name for holder, name, _ in running if holder is session)
-
-
-def not_retried(error, module, args, kwargs, versions) -> Optional[str]:
-    """Why the forward that raised `error` must not run again (`""`: a nested component already gave up), or
-    `None` when it may."""
-    if isinstance(error, OffloadOutOfMemoryError):
-        return ""
-    if module.training:
-        return "it is in training mode (dropout draws random numbers, autograd records the graph)"
-    for sub in module.modules():
-        registry = getattr(sub, "_diffusers_hook", None)
-        hooks = getattr(registry, "hooks", None)
-        for hook in hooks.values() if isinstance(hooks, dict) else ():
-            if getattr(hook, "_is_stateful", False):
-                name = type(hook).__name__
-                return f"a stateful diffusers hook (`{name}`) keeps a cache the failed forward may have changed"
-    for label, value in list(enumerate(args)) + list(kwargs.items()):
-        odd = _odd(value, 0)
-        if odd is not None:
-            return f"its argument `{label}` holds a `{type(odd).__name__}`, which the failed forward may have changed"
-    for label, tensor, version in versions:
-        if version_of(tensor) != version:
-            return f"the failed forward changed its input `{label}` in place"
-    return None
-
-
-def _odd(value, depth: int):
-    """The first object in `value` that is not plain data (tensors, numbers, strings, containers of them)."""
-    if isinstance(value, (torch.Tensor,) + _PLAIN):
-        return None
-    if isinstance(value, (list, tuple, dict)) and depth < 3:
-        items = list(value.values() if isinstance(value, dict) else value)[:_MAX_ITEMS]
-        return next((odd for odd in (_odd(item, depth + 1) for item in items) if odd is not None), None)
-    return value
-
-
-def _versions(args, kwargs) -> list:
-    """`(label, tensor, version)` of the input tensors (at the first level, and in a list, tuple or dict), to see an
-    input changed in place by a forward that then failed. Inference tensors have no counter: such a change is not
-    seen."""
-    found = []
-    for label, value in list(enumerate(args)) + list(kwargs.items()):
-        if isinstance(value, torch.Tensor):
-            found.append((label, value, version_of(value)))
-        elif isinstance(value, (list, tuple, dict)):
-            items = value.values() if isinstance(value, dict) else value
-            found += [(label, t, version_of(t)) for t in list(items)[:_MAX_ITEMS] if isinstance(t, torch.Tensor)]
-    return found
 
 
 def final_message(session, name: str, tried: List[str], error) -> str:

@@ -139,7 +139,9 @@ class ResidencyPolicy(ComponentLimits, Policy):
         carry(self, name, resident)
         if name in resident and name in self.limits:
             return self.within_limit(name, resident, facts, choose)
-        if name in resident or name not in self.hooked:
+        if name in resident:  # more than the budget may be on the device: moved there from outside (`pipe.to`)
+            return self.within_budget(name, resident, facts, choose) if name in self.hooked else NOTHING
+        if name not in self.hooked:
             return NOTHING
         return self.noting(self._load(name, resident, facts))
 

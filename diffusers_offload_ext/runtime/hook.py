@@ -66,6 +66,15 @@ class DeferredCpuOffload(CpuOffload):
             return args, kwargs  # what `send_to_device` would return, without walking the inputs again
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
+    @_compiler_disable
+    def post_forward(self, module, output):
+        # A prefetch started while this forward ran is waited on as it ends (the compute stream waits on its event; no
+        # host wait): code that runs between forwards (a step callback editing the weights) finds them complete.
+        transfer = self.session.transfer
+        if transfer is not None and transfer.pending:
+            transfer.flush()
+        return output
+
 
 # How code that must not import the runtime (the trace) recognises it: `marks.extension_hook`.
 setattr(DeferredCpuOffload, HOOK_MARK, True)
@@ -106,10 +115,13 @@ def ours(module: torch.nn.Module):
 def attach(pipe, session) -> Dict[str, DeferredCpuOffload]:
     """One hook on every component `session` hooks, the chain's handles linked in chain order, and on the components
     its policy watches (excluded ones: their use is reported, nothing offloads them; no handle); `pipe._all_hooks`
-    holds the handles, as stock's does. Returns the hooks by component."""
+    holds the handles, as stock's does. Every one is guarded (`recovery/guard.py`), and so are the components that
+    stay on the device without a hook. Returns the hooks by component."""
     handles, hooks, previous = [], {}, None
     chain = session.arrangement.chain
     watched = session.policy.watched  # the policy hears when these run (an excluded one evicts); none offloads them
+    for module in session.modules.values():
+        recovery.unguard(module)  # an earlier arming's guard (accelerate would take it for the forward it hooks)
     for name in session.arrangement.hooked + tuple(n for n in session.layout.order if n in watched):
         module = session.modules[name]
         hook = DeferredCpuOffload(session, name, session.device, prev_module_hook=previous if name in chain else None)
@@ -122,6 +134,8 @@ def attach(pipe, session) -> Dict[str, DeferredCpuOffload]:
         handles.append(handle)
         if name in chain:
             previous = handle
+    for name in [n for n in session.layout.order if n in session.policy.stays and n not in hooks]:
+        recovery.guard(session.modules[name])  # no hook, but an out-of-memory error in it can make room too
     pipe._all_hooks = handles
     return hooks
 
@@ -131,3 +145,5 @@ def detach(module: torch.nn.Module, session) -> None:
     hook = getattr(module, "_hf_hook", None)
     if isinstance(hook, DeferredCpuOffload) and hook.session is session:
         remove_hook_from_module(module)
+    elif hook is None:
+        recovery.unguard(module)  # the guard of a component that had no hook

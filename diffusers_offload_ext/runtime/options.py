@@ -193,6 +193,10 @@ class OffloadOptions:
     pin_memory: Union[bool, str, None] = None
     prefetch: Optional[bool] = None
 
+    def without_exclusion(self) -> "OffloadOptions":
+        """These options, `exclude_from_offload` reset (`remove_all_hooks()` drops it, as stock drops its list)."""
+        return dataclasses.replace(self, exclude_from_offload=())
+
     @property
     def residency(self) -> bool:
         """Whether the residency manager is on: a `memory_budget` was set or `keep_on_device_between_generations`."""

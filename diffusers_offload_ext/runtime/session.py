@@ -92,12 +92,13 @@ class Session:
 
     def armed(self, hooks: Dict[str, object]) -> None:
         """The hooks are attached: offload is on."""
-        self.hooks = hooks
-        self.active = True
+        self.hooks, self.active = hooks, True
 
-    def disarm(self) -> None:
-        """The hooks are gone (`remove_all_hooks()`, or a combined pipeline armed whole over this sub-pipeline)."""
+    def disarm(self, forget_exclusion: bool = False) -> None:
+        """The hooks are gone (`remove_all_hooks()`, then `forget_exclusion`; or a combined pipeline armed whole)."""
         self.active = False
+        if forget_exclusion and self.arming is not None:  # `exclude_from_offload` ends with them
+            self.arming = self.arming._replace(options=self.options.without_exclusion())
 
     def stop_moving(self) -> None:
         """Every pending prefetch waited on, every streaming component back on the host."""
@@ -174,9 +175,8 @@ class Session:
 
     def end_of_call(self, failed: bool) -> None:
         """The end of the call in progress, once per call (`maybe_free_model_hooks()`, or the call guard when the call
-        returned or raised without it): streams stop unless components stay between calls (`_end_streams`), the
-        policy's end-of-call moves are made; unless it `failed`, its trace joins the history and its streams' lessons.
-        """
+        returned or raised without it): streams stop unless components stay between calls, the policy's end-of-call
+        moves are made; unless it `failed`, its trace joins the history and its streams' lessons (`_end_streams`)."""
         self.calls.end_trace(failed)
         self.activations.end(self.device, failed)
         if self.hooks:
@@ -286,8 +286,7 @@ def _transferred(session: Session, name: str, direction: str, ahead: bool):
 def _booker(session: Session, module: torch.nn.Module) -> Session:
     """The session whose ledger records a move of `module` that `session` makes: that of the innermost pipeline call
     running that holds it (its call made the move, even where another pipeline's budget chose it), else `session`."""
-    holder = sharing.running_holder(module) if sharing.running else None
-    return session if holder is None else holder
+    return (sharing.running_holder(module) if sharing.running else None) or session
 
 
 def _make_room(module: torch.nn.Module, loader: Session) -> None:

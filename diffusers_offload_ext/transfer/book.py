@@ -3,7 +3,9 @@
 
 Structure changes are seen as they happen: torch's global registration hooks report every sub-module, parameter and
 buffer assigned anywhere, and the book marks the entry of the component it belongs to as `dirty`, so that the next
-use re-reads the component (a replaced `conv_in` brings host weights) at constant cost per forward otherwise.
+use re-reads the component (a replaced `conv_in` brings host weights) at constant cost per forward otherwise. While
+Dynamo traces a compiled forward, which builds modules of its own (a UNet's mid block slices `self.resnets[1:]`), the
+hooks return at once: they add nothing to its graph.
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ class Entry:
         self.changes = 0
 
 
+def _compiling() -> bool:
+    """Whether Dynamo is tracing the code running now (a registration hook it traced would break the graph)."""
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
+
+
 class Book:
     """Entries per module, held weakly: a module nobody refers to any more leaves the book."""
 
@@ -108,6 +116,8 @@ class Book:
         ]
 
     def _assigned(self, parent, name, value):
+        if _compiling():
+            return None  # a module built inside a compiled forward (`self.resnets[1:]`) is no structure change
         reference = self._owner.get(parent)
         entry = reference() if reference is not None else None
         if entry is not None:
