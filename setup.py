@@ -23,6 +23,7 @@ setup(
             "data/recorded/*.json",
             "data/blocks.json",
             "data/activations.json",
+            "data/profiles/*.json",
         ]
     },
     python_requires=">=3.9",

@@ -348,9 +348,9 @@ def test_the_static_block_optimum_is_within_one_block_of_brute_force(pairs, room
 def test_the_cli_prints_block_residency_with_its_assumptions(capsys):
     assert cli.main(["plan", "--model", "flux-dev", "--vram", "16GiB", "--details"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "Block residency: the components do not fit" in out and "budget (as recommended)" in out
+    assert "Block residency: the components do not fit" in out and "budget, pin_memory=False" in out
     assert "static block optimum (modelled)" in out and "sequential" in out and "group (block level)" in out
-    assert "ASSUMED bandwidths, not measured: page-locked 22.35 GiB/s (--pinned-bandwidth)" in out
+    assert "Rates: page-locked 50.29 GiB/s" in out and "Rates measured: profile h200" in out  # 54 GB/s
     assert "Seconds are the copies alone: no compute, nothing overlapped" in out
     assert cli.main(["plan", "--model", "flux-dev", "--vram", "16GiB", "--step-seconds", "0.08", "--details"]) == 0
     out = " ".join(capsys.readouterr().out.split())
@@ -360,7 +360,7 @@ def test_the_cli_prints_block_residency_with_its_assumptions(capsys):
     assert cli.main(["plan", "--model", "flux-dev", "--vram", "16GiB", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
     assert document["block_residency"]["streaming"]["transformer"]["available"] is True
-    assert document["bandwidth"]["pinned_h2d_bytes_per_s"] == 24 * 10**9
+    assert document["bandwidth"]["pinned_h2d_bytes_per_s"] == 54 * 10**9  # the H200 profile's, measured
 
 
 def test_the_shipped_block_counts_are_those_of_a_build_on_meta():

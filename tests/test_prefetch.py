@@ -142,7 +142,7 @@ def test_without_a_copy_stream_onloads_stay_as_they_are():
     "options, error, match",
     [
         (dict(prefetch="yes"), TypeError, r"`prefetch` must be True, False or None.*'yes'"),
-        (dict(prefetch=True), ValueError, r"`prefetch=True` needs the residency manager.*memory_budget"),
+        (dict(prefetch=True, pin_memory=False), ValueError, r"`prefetch=True` copies only from page-locked.*unset"),
     ],
 )
 def test_bad_values_raise_before_anything_changes(options, error, match):

@@ -215,9 +215,10 @@ def test_the_purity_finder_finds_heavy_imports(tmp_path):
 
 
 #: What the planner and the test kit reach besides pure modules, the public API and their own folder, and why: the
-#: test kit's fakes stand in for the device boundary (CUDA streams, page-locking, device memory) and its recorder
-#: wraps every transfer made; the recorders of the planner's shipped data (sizes, activations) read the planner; the doctor reports the
-#: install (stock's methods, which pipelines the options reach) and the bus's measured bandwidth.
+#: test kit's fakes stand in for the device boundary (CUDA streams, page-locking, device memory, the fused fingerprint
+#: kernel) and its recorder wraps every transfer made; the recorders of the planner's shipped data (sizes, activations)
+#: read the planner; the doctor reports the install (stock's methods, which pipelines the options reach), the bus's
+#: measured bandwidth and the fast paths each device gets.
 SEAMS = {
     "testing/copy_stream.py": {"transfer", "transfer.synchronous", "pinning.copy_stream"},
     "testing/device_memory.py": {"transfer.memory"},
@@ -225,7 +226,8 @@ SEAMS = {
     "testing/recording.py": {"transfer"},
     "testing/record_model_data.py": {"models"},
     "testing/record_activations.py": {"models"},
-    "cli/doctor.py": {"marks", "runtime.overrides", "pinning.bandwidth"},
+    "testing/fused.py": {"transfer"},
+    "cli/doctor.py": {"marks", "runtime.overrides", "pinning.bandwidth", "runtime.fast_paths"},
 }
 #: What the planner (`models/`, `cli/`) and the test kit (`testing/`) may import of their own.
 OWN = {"models": ("models",), "cli": ("cli", "models", "testing"), "testing": ("testing",)}

@@ -150,7 +150,7 @@ class BlockStreams:
         if choice is None:
             return None, why
         if transfer.pinning is not None:
-            transfer.pinning.prepare(module, type(module).__name__)
+            transfer.pinning.prepare(module, type(module).__name__, transfer.device)
 
         def emit(block, direction, nbytes, kind):
             self.recorder.finish(self.recorder.begin(name, direction, module), name, direction, nbytes, kind, block)
@@ -166,6 +166,7 @@ class BlockStreams:
             check=check,
             passes=max(uses.values()) if uses else None,
             schedule=blocks_ahead,
+            edits_between=lambda: not self.calls.in_call or self.calls.callbacks,
         )
         self.active[name], self.choices[name], self.rooms[name] = streamer, choice, room
         self.built[name] = transfer.entry(module).changes

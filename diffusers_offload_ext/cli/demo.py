@@ -9,6 +9,7 @@ from typing import Dict, List, Tuple
 from ..constants import COPY, GiB, KiB, ONLOAD
 from ..models.bounds import format_rate, parse_count, parse_rate
 from . import output
+from ..models.profiles import DEFAULT_PROFILE, load_profile
 from .plan import add_bandwidth_arguments, bandwidths
 
 HELP = "run the tiny Flux pipeline under four offload settings and show its transfer ledger (what `make demo` runs)"
@@ -48,9 +49,18 @@ def run(args) -> int:
     generations = parse_count(args.generations, argument="--generations", maximum=MAX_GENERATIONS)
     steps = parse_count(args.steps, argument="--steps", maximum=MAX_STEPS)
     texts = bandwidths(args)
+    measured = load_profile(DEFAULT_PROFILE)  # a bandwidth not given: the measured rate profile's
     rates = (
-        parse_rate(texts["h2d_bandwidth"], argument="--h2d-bandwidth"),
-        parse_rate(texts["d2h_bandwidth"], argument="--d2h-bandwidth"),
+        (
+            measured.h2d_pageable
+            if texts["h2d_bandwidth"] is None
+            else parse_rate(texts["h2d_bandwidth"], argument="--h2d-bandwidth")
+        ),
+        (
+            measured.d2h_fresh
+            if texts["d2h_bandwidth"] is None
+            else parse_rate(texts["d2h_bandwidth"], argument="--d2h-bandwidth")
+        ),
     )
     png = output.check_output_path(args.png, "--png") if args.png else None
     result, traces = run_demo(generations=generations, steps=steps, rates=rates, record=png is not None)
@@ -192,8 +202,8 @@ def _result(settings: dict, generations: int, steps: int, rates: Tuple[int, int]
         "generations": generations,
         "steps": steps,
         "preview": "callback_on_step_end decodes the latents with the VAE every step",
-        "units": "bytes; bandwidths in bytes per second; seconds priced at the assumed bandwidths",
-        "bandwidth": {"assumed": True, "h2d_bytes_per_s": rates[0], "d2h_bytes_per_s": rates[1]},
+        "units": "bytes; bandwidths in bytes per second; seconds priced at the rates of `bandwidth`",
+        "bandwidth": {"profile": DEFAULT_PROFILE, "h2d_bytes_per_s": rates[0], "d2h_bytes_per_s": rates[1]},
         "real_model": "FLUX.1-dev, transformer in float8_e4m3fn, text encoders and VAE in bfloat16",
         "real_sizes": real,
         "plan_command": PLAN_COMMAND,
@@ -263,8 +273,9 @@ def _render_real(result: dict, columns: int) -> List[str]:
     lines += output.wrap(
         "fits: the card's GiB, and whether the weights' peak fits it (the budget's: with the activations kept "
         "free). "
-        f"* priced at ASSUMED bandwidths of {h2d} host-to-device and {d2h} device-to-host (not measured; set "
-        "--h2d-bandwidth and --d2h-bandwidth: `diffusers-offload doctor` measures them on a CUDA machine).",
+        f"* priced from pageable memory at {h2d} host-to-device and {d2h} device-to-host (the rate profile "
+        f"{result['bandwidth']['profile']}, measured on an H200, unless --h2d-bandwidth or --d2h-bandwidth is given; "
+        "`diffusers-offload doctor --measure` measures yours).",
         columns,
         "  ",
     )

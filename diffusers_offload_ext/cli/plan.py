@@ -8,7 +8,8 @@ from typing import List
 
 from ..constants import GiB
 from ..models.bounds import MAX_GENERATIONS, MAX_STEPS, REPLAYED_GENERATIONS, format_rate
-from ..models.request import DEFAULT_BANDWIDTH, DEFAULT_PINNED_BANDWIDTH, DEFAULT_RESERVE, DEFAULT_VRAM
+from ..models.profiles import DEFAULT_PROFILE
+from ..models.request import DEFAULT_RESERVE, DEFAULT_VRAM
 from . import output, plan_details
 
 HELP = "the offload call to use for a model on a card: whether it fits, bytes and seconds per image"
@@ -50,12 +51,17 @@ def add_parser(commands, common) -> None:
         "replayed move by move, later ones extrapolated from the period their bytes settle into",
     )
     p.add_argument("--preview", action="store_true", help="a step callback decodes a preview with the VAE every step")
+    p.add_argument(
+        "--profile",
+        help="the measured copy rates that price the bytes in seconds: a shipped profile (h200: the H200 runs of "
+        "docs/gpu-runs) or the file `diffusers-offload doctor --measure` wrote on your machine "
+        f"(default: {DEFAULT_PROFILE})",
+    )
     add_bandwidth_arguments(p, "the bytes")
     p.add_argument(
         "--pinned-bandwidth",
-        default=DEFAULT_PINNED_BANDWIDTH,
-        help="ASSUMED host-to-device bandwidth from page-locked memory, for block residency's and group offload's "
-        f"copies (default: {DEFAULT_PINNED_BANDWIDTH}, PCIe 4.0 x16; `diffusers-offload doctor` measures it on CUDA)",
+        help="host-to-device bandwidth from page-locked memory (the defaults on CUDA, block residency's and group "
+        "offload's copies), given instead of the profile's",
     )
     p.add_argument(
         "--step-seconds",
@@ -80,22 +86,21 @@ def add_parser(commands, common) -> None:
 
 
 def add_bandwidth_arguments(parser, what: str) -> None:
-    """`--bandwidth` and the two `--h2d-bandwidth` / `--d2h-bandwidth` it stands for (all assumed, not measured)."""
+    """`--bandwidth` and the two `--h2d-bandwidth` / `--d2h-bandwidth` it stands for (given instead of measured)."""
     parser.add_argument(
-        "--bandwidth",
-        help=f"shorthand for both --h2d-bandwidth and --d2h-bandwidth (default: {DEFAULT_BANDWIDTH} each)",
+        "--bandwidth", help="shorthand for both --h2d-bandwidth and --d2h-bandwidth, given instead of measured rates"
     )
-    for direction, words in (("h2d", "host-to-device"), ("d2h", "device-to-host")):
+    for direction, words in (("h2d", "host-to-device, pageable"), ("d2h", "device-to-host, into new host memory")):
         parser.add_argument(
             f"--{direction}-bandwidth",
-            help=f"ASSUMED {words} bandwidth that prices {what} in seconds, e.g. 12GB/s, 25GiB/s (default: "
-            f"{DEFAULT_BANDWIDTH}, pageable memory over PCIe 4.0 x16; nothing here measures it)",
+            help=f"{words} bandwidth that prices {what} in seconds, e.g. 12GB/s, 25GiB/s, given instead of the rate "
+            "profile's (then an assumption)",
         )
 
 
 def bandwidths(args) -> dict:
-    """The two bandwidth texts of `args` (`--bandwidth` fills the ones not given)."""
-    both = args.bandwidth or DEFAULT_BANDWIDTH
+    """The two bandwidth texts of `args` (`--bandwidth` fills the ones not given; `None`: the profile's)."""
+    both = args.bandwidth
     return {"h2d_bandwidth": args.h2d_bandwidth or both, "d2h_bandwidth": args.d2h_bandwidth or both}
 
 
@@ -118,6 +123,7 @@ def run(args) -> int:
         height=args.height,
         width=args.width,
         frames=args.frames,
+        profile=getattr(args, "profile", None),
         **bandwidths(args),
     )
     check_request(**request)  # bad numbers are reported before a missing --model
@@ -225,9 +231,9 @@ def _choice(heading: str, choice: dict, result: dict, columns: int) -> List[str]
         f"Per {_unit(result)}: {output.gib(choice['bytes_per_image'])} GiB over the bus, "
         f"{choice['seconds_per_image']:,.2f} s"
     )
-    faster = choice.get("faster")
-    if faster:
-        text += f"; {faster['seconds_per_image']:,.2f} s with {faster['options']} added"
+    pageable = choice.get("pageable")
+    if pageable:
+        text += f" as it runs on CUDA by default; {pageable['seconds_per_image']:,.2f} s with {pageable['options']}"
     if choice.get("reason") and heading != "Use":
         text += f". Not recommended: {choice['reason']}"
     return lines + output.wrap(text + ".", columns, "  ", "  ")
@@ -237,10 +243,15 @@ def _footer(result: dict, columns: int, details: bool) -> List[str]:
     bandwidth = result["bandwidth"]
     rates = [format_rate(bandwidth[k]) for k in ("h2d_bytes_per_s", "d2h_bytes_per_s", "pinned_h2d_bytes_per_s")]
     seconds = result["summary"]["seconds"]
+    source = (
+        f"given: {', '.join(bandwidth['given'])}; the others"
+        if bandwidth.get("given")
+        else ("measured" if not bandwidth.get("assumed") else "assumed")
+    )
     lines = output.wrap(
         f"{seconds[0].upper()}{seconds[1:]}: {rates[0]} host-to-device and {rates[1]} back from pageable memory, "
-        f"{rates[2]} page-locked (--h2d-bandwidth, --d2h-bandwidth, --pinned-bandwidth; `diffusers-offload doctor` "
-        "measures them on CUDA).",
+        f"{rates[2]} page-locked ({source}: rate profile {bandwidth['profile']}, {bandwidth['profile_device']}; "
+        "`diffusers-offload doctor --measure` measures yours, --profile reads it).",
         columns,
         "  ",
     )

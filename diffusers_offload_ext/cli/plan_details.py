@@ -31,11 +31,11 @@ def render(result: dict, columns: int) -> List[str]:
 
 
 def _strategy_table(result: dict, columns: int) -> List[str]:
-    headers = ["strategy", "setup", "first", "later", "mean", "s/gen*", "peak", "fits"]
+    headers = ["strategy", "setup", "first", "later", "mean", "s/gen*", "s fast*", "peak", "fits"]
     rows = []
     for entry in result["strategies"].values():
         if not entry["available"]:
-            rows.append([entry["label"], "-", "-", "-", "-", "-", "-", "n/a"])
+            rows.append([entry["label"], "-", "-", "-", "-", "-", "-", "-", "n/a"])
             continue
         fits = "yes" if entry["fits_with_reserve"] else "tight" if entry["fits_without_reserve"] else "no"
         rows.append(
@@ -45,12 +45,13 @@ def _strategy_table(result: dict, columns: int) -> List[str]:
                 output.gib(entry["first_generation_bytes_excluding_setup"]),
                 output.gib(entry["later_generation_bytes_mean"]),
                 output.gib(entry["mean_bytes_per_generation_including_setup"]),
-                f"{entry['seconds_at_assumed_bandwidth']['mean_per_generation_including_setup']:,.2f}",
+                f"{entry['seconds']['mean_per_generation_including_setup']:,.2f}",
+                f"{entry['seconds_fast_paths']['mean_per_generation_including_setup']:,.2f}",
                 output.gib(entry["peak_bytes"]),
                 fits,
             ]
         )
-    return output.table(headers, rows, columns, [False] + [True] * 6 + [False])
+    return output.table(headers, rows, columns, [False] + [True] * 7 + [False])
 
 
 def _legend(result: dict, columns: int) -> List[str]:
@@ -67,9 +68,10 @@ def _legend(result: dict, columns: int) -> List[str]:
     texts = [
         "setup: moved once when offload is enabled. first: the first generation, setup excluded. later: the mean of "
         "each later generation. mean: the setup and every generation, divided by the generations.",
-        f"* s/gen: the mean in seconds, priced at ASSUMED bandwidths of {h2d} host-to-device and {d2h} "
-        "device-to-host (not measured; set --h2d-bandwidth and --d2h-bandwidth: `diffusers-offload doctor` measures "
-        "them on a CUDA machine).",
+        f"* s/gen: the mean in seconds from pageable memory with copies back (diffusers' own offload; here "
+        f"pin_memory=False, zero_copy_eviction=False): {h2d} host-to-device, {d2h} device-to-host. s fast: with the "
+        f"defaults on CUDA, page-locked at {format_rate(bandwidth['pinned_h2d_bytes_per_s'])}, unchanged weights "
+        f"dropped (prefetch's overlap not counted). {rates_source(bandwidth)}",
         "peak: most weights on the device at once. fits: yes = peak + reserve <= card; tight = peak <= card; "
         "no = peak > card.",
         f"Call trace: {len(result['call_trace'])} component uses per generation, {result['trace_source']}.",
@@ -120,8 +122,8 @@ def _blocks(result: dict, columns: int) -> List[str]:
     for text in (
         "GiB per generation (one call, one image): first, and steady once the calls repeat. fits: the weights' "
         "peak within the budget (stock: within the card); sequential and group offload hold about one block.",
-        f"* ASSUMED bandwidths, not measured: page-locked {rates['pinned']} (--pinned-bandwidth), pageable "
-        f"{rates['pageable']} host-to-device and {rates['d2h']} back: {assumptions['bandwidth']}.",
+        f"* Rates: page-locked {rates['pinned']}, pageable {rates['pageable']} host-to-device and {rates['d2h']} "
+        f"back ({rates_source(result['bandwidth'])}): {assumptions['bandwidth']}.",
         f"* {assumptions['overlap'][0].upper()}{assumptions['overlap'][1:]}.",
     ):
         lines += output.wrap(text, columns, "  ")
@@ -158,4 +160,15 @@ def _optimum_text(optimum: dict) -> str:
         f"({output.gib(optimum['ring_bytes'])} GiB) for the others, streamed at each use: "
         f"{output.gib(optimum['streamed_bytes_per_generation'])} GiB per generation. A static choice, not a bound: "
         "where components run one after another, the runtime's loads per call can move less."
+    )
+
+
+def rates_source(bandwidth: dict) -> str:
+    """Where a plan's rates come from, in one sentence."""
+    if bandwidth.get("given"):
+        return f"Rates given ({', '.join(bandwidth['given'])}), the others from profile {bandwidth['profile']}."
+    measured = "assumed" if bandwidth.get("assumed") else "measured"
+    return (
+        f"Rates {measured}: profile {bandwidth['profile']} ({bandwidth['profile_device']}); `diffusers-offload doctor "
+        "--measure` measures yours, --profile reads it."
     )

@@ -8,26 +8,12 @@ from typing import Dict, List, Optional, Sequence, Union
 from ..units import format_size
 from .block_compare import block_residency
 from .block_model import BlockPlans
-from .generations import Generations, replay_generations
+from .generations import Generations, Moved, replay_generations
 from .model import Model, load_model
-from .request import (
-    DEFAULT_BANDWIDTH,
-    DEFAULT_PINNED_BANDWIDTH,
-    DEFAULT_VRAM,
-    Request,
-    activation_assumption,
-    check_request,
-    complete,
-)
+from .request import DEFAULT_VRAM, Request, activation_assumption, check_request, complete, rates_note
 from .specs import load_spec
 from .summary import summary
 from .strategies import STRATEGIES, Strategy, all_strategies, largest_offloaded
-
-BANDWIDTH_NOTE = (
-    "assumed or given, never measured by the planner (defaults: pageable host memory over PCIe 4.0 x16, about 12 GB/s "
-    "each way, and page-locked about 24 GB/s host-to-device); strategy seconds = bytes host-to-device / h2d bandwidth "
-    "+ bytes device-to-host / d2h bandwidth; block_residency prices page-locked copies at the pinned bandwidth"
-)
 
 
 def plan(
@@ -38,9 +24,9 @@ def plan(
     steps: Optional[Union[int, str]] = None,
     generations: Union[int, str] = 10,
     preview: bool = False,
-    h2d_bandwidth: Union[str, int] = DEFAULT_BANDWIDTH,
-    d2h_bandwidth: Union[str, int] = DEFAULT_BANDWIDTH,
-    pinned_bandwidth: Union[str, int] = DEFAULT_PINNED_BANDWIDTH,
+    h2d_bandwidth: Optional[Union[str, int]] = None,
+    d2h_bandwidth: Optional[Union[str, int]] = None,
+    pinned_bandwidth: Optional[Union[str, int]] = None,
     step_seconds: Optional[Union[float, str]] = None,
     dtypes: Sequence[str] = (),
     components: Sequence[str] = (),
@@ -48,6 +34,7 @@ def plan(
     height: Optional[Union[int, str]] = None,
     width: Optional[Union[int, str]] = None,
     frames: Optional[Union[int, str]] = None,
+    profile: Optional[str] = None,
 ) -> dict:
     """Predicted transfers of each offload strategy for `model` on a card, and the call to use.
 
@@ -63,10 +50,10 @@ def plan(
         generations (`int`, defaults to 10): Pipeline calls in a row (1 to `MAX_GENERATIONS`); the first
             `REPLAYED_GENERATIONS` are replayed move by move, the rest extrapolated from their period.
         preview (`bool`, defaults to `False`): A step callback decodes a preview with the VAE every step.
-        h2d_bandwidth, d2h_bandwidth (`str` or `int`, defaults to `"12GB/s"`): ASSUMED bandwidths that price the
-            bytes in seconds, host-to-device and device-to-host (pageable host memory).
-        pinned_bandwidth (`str` or `int`, defaults to `"24GB/s"`): ASSUMED host-to-device bandwidth from page-locked
-            memory, for the copies of block residency and group offloading in `block_residency`.
+        h2d_bandwidth, d2h_bandwidth (`str` or `int`, *optional*): Rates that price the bytes in seconds instead of
+            the profile's: host-to-device from pageable memory, device-to-host into new host memory.
+        pinned_bandwidth (`str` or `int`, *optional*): Host-to-device rate from page-locked memory (the defaults on
+            CUDA, block residency's and group offloading's copies) instead of the profile's.
         step_seconds (`float` or `str`, *optional*): Seconds of one denoiser forward on the card without offload;
             with it seconds per image add the denoiser's compute, streamed copies hidden behind it up to it.
         dtypes (`Sequence[str]`, *optional*): `COMPONENT=DTYPE` overrides (`denoiser=fp8` for every denoiser).
@@ -76,12 +63,16 @@ def plan(
             leaves once it has seen a call of that shape, instead of `reserve`.
         height, width, frames (`int`, *optional*): The call's size (frames: video models), which sizes the estimated
             activations; default to the model's.
+        profile (`str`, *optional*): The rate profile that prices seconds: a shipped name
+            (`models.shipped_profiles()`: `"h200"`, the committed GPU runs, the default) or a profile file written by
+            `diffusers-offload doctor --measure`.
 
     Returns:
         `dict`: JSON-ready, sizes in bytes: the model, card and request (`call`: steps and size), `activations`
-        (estimated, given or assumed), `bandwidth` (assumed rates), `components` (class, dtype, parameters, bytes),
-        `layout`, `chain`, one generation's `call_trace`, and per strategy in `strategies` the call, `setup_bytes`
-        (once, at enable) and fields whose names say whether they include it, seconds at the assumed bandwidths,
+        (estimated, given or assumed), `bandwidth` (the rates and their profile), `components` (class, dtype,
+        parameters, bytes), `layout`, `chain`, one generation's `call_trace`, and per strategy in `strategies` the
+        call, `setup_bytes` (once, at enable) and fields whose names say whether they include it, `seconds` (from
+        pageable memory, copies back) and `seconds_fast_paths` (the defaults on CUDA) at those rates,
         `peak_bytes` and whether it fits; then `recommended` (or `None`), `notes` saying why a strategy is not
         recommended and `summary` (the one screen: the call, whether it fits, bytes and seconds per image, the
         runner-up); `block_residency` (`models.block_compare`): when the offloaded components do not fit the budget
@@ -106,6 +97,7 @@ def plan(
         height=height,
         width=width,
         frames=frames,
+        profile=profile,
     )
     spec = load_spec(model)
     request = complete(request, spec)
@@ -150,17 +142,22 @@ def forwards(loaded: Model, call: Sequence[str]) -> int:
 def strategy_entry(strategy: Strategy, moved: Generations, request: Request, forwards: int = 0, held: int = 0) -> dict:
     """One strategy's JSON entry. Field names say whether they include the setup (moves made once when offload is
     enabled): add `setup_bytes` and `first_generation_bytes_excluding_setup` for the first generation's start.
-    `seconds_per_image`: the mean copy seconds, plus `forwards` denoiser forwards of `--step-seconds` when given (the
-    whole components move between forwards: nothing is hidden). `held`: bytes on the device all the time (components
-    that cannot move), in the peak."""
+    `seconds_per_image`: the mean copy seconds with the defaults on CUDA (page-locked, unchanged weights dropped;
+    `seconds_per_image_pageable`: from pageable memory, copies back), plus `forwards` denoiser forwards of
+    `--step-seconds` when given (the whole components move between forwards: nothing is hidden). `held`: bytes on the
+    device all the time (components that cannot move), in the peak."""
     g = moved.generations
     peak = moved.peak + held
 
-    def seconds(m) -> float:
+    def pageable(m) -> float:
         return m.h2d / request.h2d_rate + m.d2h / request.d2h_rate
+
+    def fast(m) -> float:  # page-locked host-to-device; evictions dropped (unchanged weights)
+        return m.h2d / request.pinned_rate
 
     all_bytes = moved.setup.nbytes + moved.total.nbytes
     later = (moved.total.nbytes - moved.first.nbytes) / (g - 1) if g > 1 else None
+    compute = forwards * (request.step_seconds or 0.0)
     return {
         "label": strategy.label,
         "call": strategy.call,
@@ -173,18 +170,28 @@ def strategy_entry(strategy: Strategy, moved: Generations, request: Request, for
         "h2d_bytes_including_setup": moved.setup.h2d + moved.total.h2d,
         "d2h_bytes_including_setup": moved.setup.d2h + moved.total.d2h,
         "onloads_per_generation": moved.total.onloads / g,
-        "seconds_at_assumed_bandwidth": {
-            "setup": seconds(moved.setup),
-            "first_generation_excluding_setup": seconds(moved.first),
-            "mean_per_generation_including_setup": (seconds(moved.setup) + seconds(moved.total)) / g,
-        },
-        "seconds_per_image": (seconds(moved.setup) + seconds(moved.total)) / g
-        + forwards * (request.step_seconds or 0.0),
+        "seconds": _seconds(moved, pageable),
+        "seconds_fast_paths": _seconds(moved, fast),
+        "seconds_per_image": _seconds(moved, fast)["mean_per_generation_including_setup"] + compute,
+        "seconds_per_image_pageable": _seconds(moved, pageable)["mean_per_generation_including_setup"] + compute,
         "peak_bytes": peak,
         "fits_with_reserve": peak + request.reserve <= request.vram,
         "fits_without_reserve": peak <= request.vram,
         "replay": {"replayed_generations": moved.replayed, "extrapolated": moved.extrapolated, "period": moved.period},
         **({"budget_bytes": strategy.budget} if strategy.budget is not None else {}),
+    }
+
+
+def _seconds(moved: Generations, price) -> dict:
+    """The setup, the first generation, the mean of the later ones and the mean per generation (setup included),
+    priced by `price(moves)`."""
+    g = moved.generations
+    rest = Moved(moved.total.h2d - moved.first.h2d, moved.total.d2h - moved.first.d2h).times(1, max(g - 1, 1))
+    return {
+        "setup": price(moved.setup),
+        "first_generation_excluding_setup": price(moved.first),
+        "later_generation_mean": price(rest) if g > 1 else None,
+        "mean_per_generation_including_setup": (price(moved.setup) + price(moved.total)) / g,
     }
 
 
@@ -248,7 +255,7 @@ def _result(loaded: Model, request: Request, call, entries, recommended, notes) 
         "model": loaded.name,
         "title": loaded.title,
         "pipeline": loaded.pipeline,
-        "units": "bytes; bandwidths in bytes per second; seconds priced at the assumed bandwidths",
+        "units": "bytes; bandwidths in bytes per second; seconds priced at the rates of `bandwidth`",
         "vram_bytes": request.vram,
         "vram_note": request.vram_note,
         "reserve_bytes": request.reserve,
@@ -258,11 +265,15 @@ def _result(loaded: Model, request: Request, call, entries, recommended, notes) 
         "generations": request.generations,
         "preview": request.preview,
         "bandwidth": {
-            "assumed": True,
+            "assumed": bool(request.given) or not request.profile.measured,
+            "profile": request.profile.name,
+            "profile_device": request.profile.device,
+            "profile_source": request.profile.source,
+            "given": list(request.given),
             "h2d_bytes_per_s": request.h2d_rate,
             "d2h_bytes_per_s": request.d2h_rate,
             "pinned_h2d_bytes_per_s": request.pinned_rate,
-            "note": BANDWIDTH_NOTE,
+            "note": rates_note(request),
         },
         "step_seconds": request.step_seconds,
         "components": loaded.components,

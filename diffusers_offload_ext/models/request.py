@@ -10,14 +10,14 @@ from ..units import format_size
 from .activations import MAX_FRAMES, MAX_SIDE, call_defaults, estimate
 from .bounds import MAX_GENERATIONS, MAX_STEPS, parse_bytes, parse_card, parse_count, parse_rate, parse_seconds
 from .errors import PlanError
+from .profiles import DEFAULT_PROFILE, Profile, load_profile
 
 DEFAULT_VRAM = "24GiB"
 #: Left free for activations when the model has no activation data and none is given (the runtime's `memory_reserve`).
 DEFAULT_RESERVE = "3GiB"
-#: Assumed, not measured: pageable host memory over PCIe 4.0 x16 (diffusers' offload copies from pageable memory).
+#: What the bandwidths once defaulted to, assumed (PCIe 4.0 x16: pageable, and page-locked); the rates now come from a
+#: measured rate profile (`profiles.py`, `DEFAULT_PROFILE`) unless given.
 DEFAULT_BANDWIDTH = "12GB/s"
-#: Assumed, not measured: page-locked host memory over PCIe 4.0 x16 (what `pin_memory=True` and group offloading with
-#: `use_stream=True` copy from; `diffusers-offload doctor` measures it on a CUDA machine).
 DEFAULT_PINNED_BANDWIDTH = "24GB/s"
 
 
@@ -44,6 +44,8 @@ class Request(NamedTuple):
     vram_note: Optional[str] = None
     reserve_source: str = "given"
     estimate: Optional[dict] = None
+    profile: Optional[Profile] = None
+    given: tuple = ()
 
 
 def check_request(
@@ -53,17 +55,22 @@ def check_request(
     steps=None,
     generations=10,
     preview=False,
-    h2d_bandwidth=DEFAULT_BANDWIDTH,
-    d2h_bandwidth=DEFAULT_BANDWIDTH,
-    pinned_bandwidth=DEFAULT_PINNED_BANDWIDTH,
+    h2d_bandwidth=None,
+    d2h_bandwidth=None,
+    pinned_bandwidth=None,
     step_seconds=None,
     activations=None,
     height=None,
     width=None,
     frames=None,
+    profile=None,
 ) -> Request:
     """Every argument parsed and bounded, before any work (`PlanError` names the first bad one). `None` leaves a
-    value to the model (`complete`)."""
+    value to the model (`complete`); a bandwidth not given is the rate `profile`'s (a shipped name or a file written
+    by `doctor --measure`; default `DEFAULT_PROFILE`, the H200 runs)."""
+    rates = load_profile(profile or DEFAULT_PROFILE)
+    flags = ("--h2d-bandwidth", "--d2h-bandwidth", "--pinned-bandwidth")
+    rates_given = tuple(f for f, v in zip(flags, (h2d_bandwidth, d2h_bandwidth, pinned_bandwidth)) if v is not None)
     vram_bytes, note = parse_card(vram, argument="--vram")
     given = None if reserve is None else parse_bytes(reserve, argument="--reserve", allow_zero=True)
     known = None if activations is None else parse_bytes(activations, argument="--activations")
@@ -73,9 +80,13 @@ def check_request(
         steps=None if steps is None else parse_count(steps, argument="--steps", maximum=MAX_STEPS),
         generations=parse_count(generations, argument="--generations", maximum=MAX_GENERATIONS),
         preview=bool(preview),
-        h2d_rate=parse_rate(h2d_bandwidth, argument="--h2d-bandwidth"),
-        d2h_rate=parse_rate(d2h_bandwidth, argument="--d2h-bandwidth"),
-        pinned_rate=parse_rate(pinned_bandwidth, argument="--pinned-bandwidth"),
+        h2d_rate=rates.h2d_pageable if h2d_bandwidth is None else parse_rate(h2d_bandwidth, argument=flags[0]),
+        d2h_rate=rates.d2h_fresh if d2h_bandwidth is None else parse_rate(d2h_bandwidth, argument=flags[1]),
+        pinned_rate=(
+            (rates.h2d_page_locked or rates.h2d_pageable)
+            if pinned_bandwidth is None
+            else parse_rate(pinned_bandwidth, argument=flags[2])
+        ),
         step_seconds=parse_seconds(step_seconds, argument="--step-seconds"),
         activations=known,
         first_reserve=given,
@@ -83,6 +94,8 @@ def check_request(
         width=None if width is None else parse_count(width, argument="--width", maximum=MAX_SIDE),
         frames=None if frames is None else parse_count(frames, argument="--frames", maximum=MAX_FRAMES),
         vram_note=note,
+        profile=rates,
+        given=rates_given,
     )
     if known is not None:
         request = request._replace(reserve=reserve_for(known), reserve_source="activations")
@@ -176,3 +189,15 @@ def activation_assumption(request: Request) -> dict:
         "reserve_bytes": request.reserve,
         "note": note,
     }
+
+
+def rates_note(request: Request) -> str:
+    """Where the rates come from and how seconds are priced, in words."""
+    profile = request.profile
+    source = f"measured on {profile.device}" if profile.measured else f"assumed ({profile.device})"
+    given = f"; given: {', '.join(request.given)}" if request.given else ""
+    return (
+        f"rate profile `{profile.name}`, {source}{given}. `seconds`: from pageable memory with copies back (diffusers' "
+        "own offload; here pin_memory=False, zero_copy_eviction=False); `seconds_fast_paths`: the defaults on CUDA, "
+        "page-locked host-to-device and unchanged weights dropped, not copied back (prefetch's overlap not counted)"
+    )

@@ -1,5 +1,6 @@
-"""The one screen of a plan: the call to use, whether it fits, its bytes and seconds per image, what streams, the
-same call page-locked with prefetch, and the runner-up with why it comes second; from the plan's own entries."""
+"""The one screen of a plan: the call to use, whether it fits, its bytes and seconds per image (as it runs on CUDA by
+default: page-locked copies, prefetch, unchanged weights dropped), what streams, the same call from pageable memory,
+and the runner-up with why it comes second; from the plan's own entries."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from .strategies import STRATEGIES
 
 #: What "seconds" means in a plan, without and with `--step-seconds`.
 SECONDS = {
-    "copies": "seconds are the copies alone, priced at the bandwidths stated (assumed unless given), no compute",
+    "copies": "seconds are the copies alone, priced at the rates stated (measured unless given), no compute",
     "image": (
         "seconds per image = {forwards} denoiser forwards x {step:g} s (--step-seconds) + the copies priced at the "
-        "bandwidths stated (assumed unless given); copies hidden behind compute only where a row says prefetch"
+        "rates stated (measured unless given); copies hidden behind compute only where a row says prefetch"
     ),
 }
 
@@ -50,9 +51,15 @@ def _choice(result: dict, name: str) -> dict:
         seconds_per_image=entry["seconds_per_image"],
         reason=entry.get("reason"),
     )
+    choice["pageable"] = {
+        "options": "pin_memory=False, zero_copy_eviction=False",
+        "seconds_per_image": entry["seconds_per_image_pageable"],
+    }
     if name == "residency":
         choice["streams"] = _streams(result)
-        choice["faster"] = _faster(result)
+        fast = _fast(result)
+        if fast is not None:
+            choice["seconds_per_image"] = fast
     return choice
 
 
@@ -72,14 +79,14 @@ def _streams(result: dict) -> Dict[str, dict]:
     return streams
 
 
-def _faster(result: dict) -> Optional[dict]:
-    """The budget's call with `pin_memory=True, prefetch=True`: its seconds per image (steady), when priced."""
+def _fast(result: dict) -> Optional[float]:
+    """The budget's seconds per image as it runs on CUDA by default (page-locked, prefetch: block residency's
+    `budget_pinned` row, steady), when block residency prices it."""
     rows = (result.get("block_residency") or {}).get("rows") or {}
     row = rows.get("budget_pinned")
     if row is None:
         return None
-    steady = row["seconds_steady"] if row["seconds_steady"] is not None else row["seconds_first"]
-    return {"options": "pin_memory=True, prefetch=True", "seconds_per_image": steady}
+    return row["seconds_steady"] if row["seconds_steady"] is not None else row["seconds_first"]
 
 
 def summary(result: dict) -> dict:

@@ -13,6 +13,7 @@ from ..transfer import ON_DEVICE
 from ..recovery.activations import LearntShape
 from ..blocks.streams import BlockStatus
 from . import status_text
+from .fast_paths import FastPaths
 from .session import session_of
 
 
@@ -134,6 +135,8 @@ class OffloadStatus(NamedTuple):
             and 0 for an explicit one.
         learnt (`Tuple[LearntShape, ...]`): What each call shape taught (its activations, reserve, budget limit and
             out-of-memory recoveries), oldest first.
+        fast_paths (`FastPaths` or `None`): The fast paths in force on the device (`accelerator`, `drops`,
+            `page_locked`, `prefetch`) and `why` each is on or off, by option name (`runtime/fast_paths.py`).
     """
 
     enabled: bool
@@ -150,6 +153,7 @@ class OffloadStatus(NamedTuple):
     pinned_bytes: int = 0
     reserve: Optional[int] = None
     learnt: Tuple[LearntShape, ...] = ()
+    fast_paths: Optional[FastPaths] = None
 
     def __str__(self) -> str:
         """A table: the call in force, the budget, and per component where it is, its bytes, blocks and why."""
@@ -203,6 +207,7 @@ def offload_status(pipe) -> OffloadStatus:
         pinned_bytes=sum(c.pinned_bytes for c in components.values()),
         reserve=session.arming.reserve if session.options.residency else None,
         learnt=session.activations.status(),
+        fast_paths=session.arming.fast if session.arming is not None else None,
     )
 
 

@@ -202,7 +202,8 @@ def guard_call(call):
         before_call(session, call_shape(args, kwargs))
         failed = True
         try:
-            session.begin_call()  # its moves may run out of device memory: the call then ends as a failed one
+            # its moves may run out of device memory: the call then ends as a failed one
+            session.begin_call(callbacks=_has_callback(kwargs))
             result = call(self, *args, **kwargs)
             failed = False
             return result
@@ -217,6 +218,11 @@ def guard_call(call):
 
     setattr(guarded, MARK, call)
     return guarded
+
+
+def _has_callback(kwargs) -> bool:
+    """Whether a pipeline call's arguments carry a step callback (user code between the denoiser's forwards)."""
+    return any(kwargs.get(name) is not None for name in ("callback_on_step_end", "callback"))
 
 
 def _armed_for(pipe):

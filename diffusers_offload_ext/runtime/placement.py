@@ -207,7 +207,9 @@ class Placement:
 
     def moved_outside(self, target: Optional[torch.device], transfer: Transfer) -> None:
         """`pipe.to(...)` moved components: read where they are now (or, where tensors cannot tell, take the target
-        as the truth); host copies of what left the device are stale."""
+        as the truth); host copies of what left the device are stale, and the page-locked host memory that no longer
+        backs a component's weights (moved to the device, or to new host tensors) is unregistered and let go: only a
+        resident component's host copy keeps what it page-locked."""
         for name, module in self.modules.items():
             if name in self.streams.active:
                 self.streams.abandon(name)
@@ -220,3 +222,7 @@ class Placement:
                 self.placed(module, on)
             if name not in self.resident:
                 transfer.forget_host_copy(module)
+        if transfer.pinning is not None:  # page-locked memory that no longer backs the weights goes (issue 31)
+            for name, module in self.modules.items():
+                if name not in self.resident or self.entries[name].host_copy is None:
+                    transfer.pinning.forget_stale(module)

@@ -17,7 +17,7 @@ from ..marks import SESSION_ATTR, get_session
 from ..pinning import store as pinned
 from ..policies import Decision, Facts, Policy
 from ..recovery.activations import Activations
-from ..transfer import COPY_STREAMS, Transfer, make_transfer, memory
+from ..transfer import Transfer, make_transfer, memory
 from . import sharing
 from .exclusion import Exclusion
 from .options import OffloadOptions
@@ -81,7 +81,7 @@ class Session:
         self.arming = arming
         for name in self.placement.take(modules, self.transfer, holder=self, fixed=fixed):
             self.move(name, OFFLOAD)  # on another accelerator (the device changed): home first
-        self.placement.keep_host_copies(self.transfer, arming.options.drops, arming.arrangement.excluded)
+        self.placement.keep_host_copies(self.transfer, arming.fast.drops, arming.arrangement.excluded)
         self.placement.measure_streams(list(arming.arrangement.hooked) if arming.options.residency else [])
 
     def decide_with(self, policy: Policy, capacity: Optional[Callable] = None, arming=None) -> None:
@@ -164,9 +164,9 @@ class Session:
         """`pipe.to(...)` moved components (see `Placement.moved_outside`)."""
         self.placement.moved_outside(target, self.transfer)
 
-    def begin_call(self) -> None:
-        """A pipeline call begins: placements checked, the ones the options keep on the device put back there."""
-        if not self.calls.begin():
+    def begin_call(self, callbacks: bool = True) -> None:
+        """A pipeline call begins (`callbacks`: with a step callback): placements checked, the ones kept put back."""
+        if not self.calls.begin(callbacks):
             return
         sharing.running.append(self)
         if not self.active:
@@ -220,7 +220,7 @@ class Session:
         transfer and record it once; every pipeline holding it learns where it is."""
         module = self.modules[name]
         if direction == STREAM:
-            if self.streams.begin(name, module, overflow, self.transfer, self.options.drops):
+            if self.streams.begin(name, module, overflow, self.transfer, self.arming.fast.drops):
                 return self.placement.placed(module, True)
             direction = ONLOAD  # it cannot stream: loaded whole, alone
         if name in self.streams.active:
@@ -234,7 +234,7 @@ class Session:
         with torch.profiler.record_function(f"diffusers_offload_ext::{direction}::{name}"):
             if direction == ONLOAD:
                 load = self.transfer.prefetch if ahead else self.transfer.onload
-                moved = load(module, keep_host=self._keeps_host(name), check=self.options.drops)
+                moved = load(module, keep_host=self._keeps_host(name), check=self.arming.fast.drops)
             else:
                 moved = self.transfer.offload(module)
         self.placement.placed(module, direction == ONLOAD)
@@ -246,7 +246,7 @@ class Session:
     def _keeps_host(self, name: str) -> bool:
         """An onload of `name` keeps its host copy where an eviction may drop it (or page-locked host memory is kept),
         unless the component never leaves the device."""
-        return (self.options.drops or self.transfer.pinning is not None) and name not in self.policy.stays
+        return (self.arming.fast.drops or self.transfer.pinning is not None) and name not in self.policy.stays
 
     def _booker(self, module: torch.nn.Module) -> "Session":
         """The session whose ledger records a move of `module` made here: that of the innermost pipeline call running
@@ -300,10 +300,10 @@ class Session:
             for name in sorted(self.resident & set(self.modules)):
                 self.move(name, OFFLOAD)
             transfer = None
-        overlaps = arming.options.prefetches and arming.device.type in COPY_STREAMS
+        overlaps = arming.fast.prefetch  # only where the device has a copy stream (`fast_paths.resolve`)
         if transfer is None or transfer.asynchronous != overlaps:
             transfer = make_transfer(arming.device, prefetch=overlaps)
-        transfer.pinning = pinned.store_for(arming.device) if arming.options.pins is not False else None
+        transfer.pinning = pinned.store_for(arming.device) if arming.fast.page_locked else None
         return transfer
 
     # -- what calls need beyond the weights, and out-of-memory recovery ------------------------------------------------

@@ -57,6 +57,22 @@ def called(options: dict) -> str:
     return f"enable_model_cpu_offload({', '.join(words)})"
 
 
+def transport(fast) -> str:
+    """How the bytes move (`FastPaths`, `runtime/fast_paths.py`), in words."""
+    if fast is None:
+        return "not armed"
+    on = [
+        words
+        for flag, words in (
+            (fast.drops, "unchanged weights dropped, not copied back"),
+            (fast.page_locked, "copied from page-locked host memory"),
+            (fast.prefetch, "the next component prefetched on a copy stream"),
+        )
+        if flag
+    ]
+    return ", ".join(on) if on else "plain copies (pageable, copied back)"
+
+
 def render(status) -> str:
     """The text of `status` (an `OffloadStatus`)."""
     if not status.enabled and not status.components:
@@ -71,6 +87,7 @@ def render(status) -> str:
         f"{budget}; {format_size(status.resident_bytes)} on the device now; {status.calls} call"
         + ("" if status.calls == 1 else "s")
         + (", one in progress" if status.in_call else ""),
+        f"moves: {transport(status.fast_paths)}",
     ]
     rows = [
         [
@@ -130,4 +147,5 @@ def arming_line(arming, sizes, fixed) -> str:
         others = [n for n in moving if n not in kept]
         if others:
             parts.append("loaded when they run, evicted by the next in the chain: " + ", ".join(others))
+    parts.append("moves: " + transport(arming.fast))
     return "; ".join(parts) + "."

@@ -45,7 +45,7 @@ class SyncTransfer(Transfer):
             locked = False
             if self.pinning is not None:
                 if keep_host and nbytes:
-                    locked = self.pinning.prepare(module, type(module).__name__)
+                    locked = self.pinning.prepare(module, type(module).__name__, self.device)
                 elif not keep_host:
                     self.pinning.release(module)  # it stays on the device: its host memory goes
             host_copy = HostCopy(module, check) if keep_host and entry.host_copy is None else entry.host_copy
