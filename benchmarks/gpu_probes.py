@@ -7,7 +7,8 @@ Sections (each in its own process in `tools/gpu_check.sh`, so that a poisoned CU
   in place (`cudaHostRegister`) memory; `module.to()` both ways; how long a non-blocking copy from pageable memory
   holds the host.
 - `pagelock`: what a refused `cudaHostRegister` through `torch.cuda.cudart()` leaves behind (is the next kernel
-  poisoned?), memory already page-locked, a range registered twice, clearing the error, the driver API instead.
+  poisoned?), memory already page-locked, a range registered twice, clearing the error, the driver API instead;
+  neighbouring ranges of one mapping that share a page (as they lie, page-rounded, the whole mapping at once).
 - `mapped`: registering tensors loaded from a safetensors file (slices of a file mapping), and copy speed from them.
 - `pools`: whether memory freed on a side stream is reused by the compute stream (per-stream pools).
 - `fingerprint`: change detection's fingerprint against one plain read of the same bytes, on the GPU and the CPU.
@@ -205,6 +206,46 @@ def section_pagelock():
     emit("pagelock", "cuMemHostRegister unaligned start and size (driver)", code=d4, next_kernel_error=kernel_ok())
     if d4 == 0:
         unregister(big.data_ptr() + 4096 + 3)
+    section_pagelock_neighbours(register, unregister)
+
+
+def section_pagelock_neighbours(register, unregister):
+    """Two neighbouring ranges of one mapping that share a page (safetensors' tensors): registered one after the
+    other as they lie, page-rounded (as pinning/page_ranges.py registers), and the whole mapping at once, each with
+    the portable flag; what the driver answers, whether the next kernel runs, and the copy rate from the second."""
+    import mmap
+
+    portable = 0x01
+    page = mmap.PAGESIZE
+    mapping = mmap.mmap(-1, 64 << 20)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)
+    base = buffer.data_ptr()
+    first, second = (base + 100, (16 << 20) + 7), (base + 100 + (16 << 20) + 7, 16 << 20)  # share one page
+    a = register(first[0], first[1], portable)
+    b = register(second[0], second[1], portable)
+    emit("pagelock", "neighbours sharing a page, registered as they lie", first=a, second=b,
+         next_kernel_error=kernel_ok())  # fmt: skip
+    for start, code_ in ((first[0], a), (second[0], b)):
+        if code_ == 0:
+            unregister(start)
+    end = -(-(first[0] + first[1]) // page) * page
+    a = register(first[0] // page * page, end - first[0] // page * page, portable)
+    b = register(end, -(-(second[0] + second[1]) // page) * page - end, portable)
+    view = buffer[second[0] - base : second[0] - base + second[1]]
+    dev = torch.empty(view.numel(), dtype=torch.uint8, device="cuda")
+    emit("pagelock", "neighbours registered page-rounded, no page twice", first=a, second=b,
+         next_kernel_error=kernel_ok(), is_pinned=view.is_pinned(),
+         h2d_gbps=gbps(view.numel(), timed(lambda: dev.copy_(view, non_blocking=True))))  # fmt: skip
+    if a == 0:
+        unregister(first[0] // page * page)
+    if b == 0:
+        unregister(end)
+    start = time.perf_counter()
+    whole = register(base, buffer.numel(), portable)
+    emit("pagelock", "the whole mapping at once (64 MiB)", code=whole, seconds=round(time.perf_counter() - start, 4),
+         next_kernel_error=kernel_ok())  # fmt: skip
+    if whole == 0:
+        unregister(base)
 
 
 def section_mapped(directory: str):
@@ -277,6 +318,7 @@ def section_pools():
 
 def section_fingerprint():
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from diffusers_offload_ext.transfer import fingerprint as module
     from diffusers_offload_ext.transfer.fingerprint import fingerprints
 
     for device, total in (("cuda", 4 * GIB), ("cpu", GIB // 4)):
@@ -287,9 +329,11 @@ def section_fingerprint():
         folded = timed(lambda: fingerprints(tensors), 2)
         copies = [t.clone() for t in tensors]
         equal = timed(lambda: all(torch.equal(a, b) for a, b in zip(tensors, copies)), 2)
+        fused = any(key.startswith(device) and engine is not None for key, engine in module._engines.items())
         emit("fingerprint", f"{device}: fingerprints vs one plain read", bytes=nbytes, read_s=round(read, 4),
              fingerprint_s=round(folded, 4), ratio=round(folded / read, 2),
-             fingerprint_s_per_gb=round(folded / nbytes * 1e9, 4), equal_s=round(equal, 4))  # fmt: skip
+             fingerprint_s_per_gb=round(folded / nbytes * 1e9, 4), equal_s=round(equal, 4),
+             engine="fused (Triton)" if fused else "eager")  # fmt: skip
         del tensors, copies
 
 

@@ -7,13 +7,17 @@ scheduler are the tiny pipeline's stand-ins, prompts go through the real-size te
 runs on a fresh pipeline object over the same component modules, reset in between (hooks removed, weights back on
 the host, cache emptied, peak memory statistics reset). One untimed call without offload warms the GPU up first.
 
-Per configuration: `--calls` timed calls; the first is reported apart, the others as min-max seconds per image; peak
+Per configuration: `--calls` timed calls; the first is reported apart, the others as their median and min-max seconds
+per image, against no offload's median in the same run (`ratio`) and against the row's floor: no offload's median
+plus the bytes the row moves host-to-device per steady call at `--floor-rate` (the page-locked rate measured on an
+H200, 54 GB/s; `floor_ratio`); peak
 allocated memory, beside the row's `memory_budget` where it has one (the `stream-*` rows: budgets below FLUX.1-dev's
 23.8 GB transformer, which then streams its blocks); bytes that crossed the bus per steady call (this package's
 configurations: the transfer ledger; the others: `doe.trace` over one more, untimed call); page-locked host bytes;
-the ratio of the fastest steady call to the fastest steady call without offload. Nothing is priced from an assumed
-bandwidth. A configuration that runs out of memory is reported as such. Diffusers' group offloading runs last (its
-hooks are not removed afterwards).
+Nothing is priced from an assumed bandwidth, but the floor (a bound, at a stated rate). A configuration that runs out
+of memory is reported as such. The peers users would pick instead run last: diffusers' group offloading and
+diffusers-mm's `managed()` (`auto`, `block_pin`, when `diffusers_mm` is importable) leave hooks that cannot be
+removed, so a row after one of them is not run: run each in its own process (`--only no-offload,mm-auto`).
 
     python benchmarks/realscale.py --model flux-dev --write docs/benchmarks-gpu.md
     python benchmarks/realscale.py --model wan2.1-t2v-14b --frames 17 --json
@@ -36,6 +40,8 @@ from typing import NamedTuple
 import torch
 
 import diffusers_offload_ext as doe
+from diffusers_offload_ext.models.bounds import parse_rate
+from diffusers_offload_ext.models.errors import PlanError
 from diffusers_offload_ext.models.specs import load_spec, shipped_models
 from diffusers_offload_ext.testing import tiny
 from diffusers_offload_ext.units import SizeError, format_size, parse_size
@@ -49,7 +55,9 @@ DENOISERS = "<denoisers>"  # replaced by the spec's denoiser names
 BUDGET = "<budget>"  # replaced by --budget
 SEED = 0  # every call makes the same image
 LEGEND = (
-    "x no offload: the fastest steady call over the fastest steady call without offload, in this run. Peak "
+    "x no offload: the median steady call over no offload's median steady call, in this run. Floor: no offload's "
+    "median plus the bytes the row moves host-to-device per steady call at the floor rate (page-locked, measured on "
+    "an H200); x floor: the median over it. Peak "
     "allocated: the most the CUDA allocator held during the row's calls (weights, ring buffers and activations), "
     "beside the row's memory budget (weights only; the difference is what the reserve is for). Moved: bytes "
     "that crossed the bus (an eviction that only drops the device copy moves none). Moved in the first call, "
@@ -67,6 +75,7 @@ class Config(NamedTuple):
 CONFIGS = (
     Config("no-offload", "none", {}),
     Config("stock", "stock", {}),
+    Config("default", "ours", {}),
     Config("exclude", "ours", {"exclude_from_offload": DENOISERS}),
     Config("keep", "ours", {"keep_on_device_during_generation": True}),
     Config("residency-fits", "ours", {"keep_on_device_between_generations": True}),
@@ -97,7 +106,13 @@ CONFIGS = (
     ),
     Config("sequential", "sequential", {}),
     Config("group", "group", {"offload_type": "block_level", "num_blocks_per_group": 1, "use_stream": True}),
+    Config("mm-auto", "mm", {"strategy": "auto"}),
+    Config("mm-block-pin", "mm", {"strategy": "block_pin"}),
 )
+#: Configurations whose hooks cannot be removed: nothing runs after them in the same process.
+FOR_GOOD = ("group", "mm")
+#: `--floor-rate`'s default: the page-locked host-to-device rate measured on an H200 (models/data/profiles/h200.json).
+FLOOR_RATE = "54GB/s"
 
 
 def resolve(options: dict, spec: dict, args) -> dict:
@@ -120,6 +135,7 @@ def label(config: Config, options: dict) -> str:
         "ours": f"enable_model_cpu_offload({arguments})",
         "sequential": "enable_sequential_cpu_offload() (stock diffusers)",
         "group": f"enable_group_offload(device, {arguments}) (diffusers)",
+        "mm": f"diffusers_mm.managed(pipe, {arguments}) (diffusers-mm)",
     }[config.kind]
 
 
@@ -137,6 +153,13 @@ def skip_reason(config: Config, options: dict, device: torch.device, args):
         return "group offloading with use_stream=True needs CUDA streams: skipped on the CPU"
     if options.get("pin_memory") and device.type != "cuda":
         return "pin_memory=True page-locks host memory for CUDA copies: skipped on the CPU"
+    if config.kind == "mm":
+        import importlib.util
+
+        if importlib.util.find_spec("diffusers_mm") is None:
+            return "diffusers-mm is not installed: carry its wheel (pip download --no-deps diffusers-mm==0.4.0)"
+        if device.type != "cuda":
+            return "diffusers-mm manages a CUDA device: skipped on the CPU"
     return None
 
 
@@ -171,13 +194,17 @@ def prepare(pipe, config: Config, options: dict, device: torch.device) -> None:
         pipe.enable_sequential_cpu_offload(device=device)
     elif config.kind == "group":
         pipe.enable_group_offload(device, **options)
+    elif config.kind == "mm":
+        from diffusers_mm import managed
+
+        managed(pipe, **options)
     else:
         pipe.enable_model_cpu_offload(device=device, **options)
 
 
 def reset(pipe, config: Config, device: torch.device) -> None:
-    """Hooks removed and weights back on the host (group offloading, which runs last, is left as it is)."""
-    if config.kind != "group":
+    """Hooks removed and weights back on the host (the peers of `FOR_GOOD`, which run last, are left as they are)."""
+    if config.kind not in FOR_GOOD:
         if config.kind == "ours":
             doe.release(pipe)
         pipe.remove_all_hooks()
@@ -210,6 +237,7 @@ def moved_bytes(pipe, config: Config, make_kwargs, calls: int) -> dict:
         steady, setup = per_call.get(calls - 1, empty), per_call.get(None, empty)
         return {
             "moved_steady_bytes": steady["total_bytes"],
+            "onload_steady_bytes": steady.get("onload_bytes", 0),
             "dropped_steady_bytes": steady["dropped_bytes"],
             "moved_first_bytes": setup["total_bytes"] + per_call.get(0, empty)["total_bytes"],
             "pinned_bytes": doe.offload_status(pipe).pinned_bytes,
@@ -222,8 +250,9 @@ def moved_bytes(pipe, config: Config, make_kwargs, calls: int) -> dict:
     if summary["replayed"]:
         source = "doe.trace, replayed from stock's policy (the CPU shows no moves): predicted, not measured"
     total = summary["total"]
-    return {"moved_steady_bytes": total["total_bytes"], "dropped_steady_bytes": total["dropped_bytes"],
-            "moved_first_bytes": None, "pinned_bytes": None, "bytes_source": source}  # fmt: skip
+    return {"moved_steady_bytes": total["total_bytes"], "onload_steady_bytes": total.get("onload_bytes", 0),
+            "dropped_steady_bytes": total["dropped_bytes"], "moved_first_bytes": None, "pinned_bytes": None,
+            "bytes_source": source}  # fmt: skip
 
 
 def measure(base, config: Config, spec: dict, args, device: torch.device, make_kwargs) -> dict:
@@ -237,7 +266,9 @@ def measure(base, config: Config, spec: dict, args, device: torch.device, make_k
     try:
         prepare(pipe, config, options, device)
         seconds = timed_calls(pipe, make_kwargs, args.calls, device)
-        row.update(seconds=seconds, first_s=seconds[0], steady_s=[min(seconds[1:]), max(seconds[1:])])
+        steady = sorted(seconds[1:])
+        row.update(seconds=seconds, first_s=seconds[0], steady_s=[steady[0], steady[-1]])
+        row["median_s"] = steady[len(steady) // 2] if len(steady) % 2 else sum(steady[len(steady) // 2 - 1 :][:2]) / 2
         row.update(moved_bytes(pipe, config, make_kwargs, args.calls))
         row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     except torch.cuda.OutOfMemoryError as error:
@@ -263,7 +294,15 @@ def measure_all(base, spec: dict, args, device: torch.device, make_kwargs, on_ro
     others are not run."""
     rows = []
     for config in selected(args):
-        if rows and "reset_failed" in rows[-1]:
+        ran = [r for r in rows if r["status"] != "skipped" and _kind(r["key"]) in FOR_GOOD]
+        if ran:
+            why = (
+                f"not run: {ran[0]['key']!r}'s hooks cannot be removed; run it in its own process "
+                f"(--only no-offload,{config.key})"
+            )
+            rows.append({"key": config.key, "label": label(config, resolve(config.options, spec, args)),
+                         "status": "not run", "reason": why})  # fmt: skip
+        elif rows and "reset_failed" in rows[-1]:
             why = f"not run: resetting {rows[-1]['key']!r} failed ({rows[-1]['reset_failed']})"
             rows.append({"key": config.key, "label": label(config, resolve(config.options, spec, args)),
                          "status": "error", "reason": why})  # fmt: skip
@@ -287,12 +326,22 @@ def warm_up(base, make_kwargs, device: torch.device) -> str:
         reset(pipe, CONFIGS[0], device)
 
 
-def add_ratios(rows: list) -> None:
-    """`ratio`: a row's fastest steady call over the fastest steady call without offload, from the same run."""
+def _kind(key: str) -> str:
+    return next(c.kind for c in CONFIGS if c.key == key)
+
+
+def add_ratios(rows: list, floor_rate: int = None) -> None:
+    """`ratio`: a row's median steady call over no offload's median, from the same run; `floor_s`: no offload's median
+    plus the row's host-to-device bytes per steady call at `floor_rate` bytes per second, and `floor_ratio` the row's
+    median over it (how far from the bus's floor)."""
     base = next((r for r in rows if r["key"] == "no-offload" and r["status"] == "ok"), None)
     for row in rows:
-        if row["status"] == "ok":
-            row["ratio"] = row["steady_s"][0] / base["steady_s"][0] if base is not None else None
+        if row["status"] != "ok":
+            continue
+        row["ratio"] = row["median_s"] / base["median_s"] if base is not None else None
+        if base is not None and floor_rate:
+            row["floor_s"] = base["median_s"] + (row.get("onload_steady_bytes") or 0) / floor_rate
+            row["floor_ratio"] = row["median_s"] / row["floor_s"]
 
 
 def run(args, argv, on_row=None) -> dict:
@@ -309,28 +358,31 @@ def run(args, argv, on_row=None) -> dict:
 
         warm = warm_up(base, make_kwargs, device)
         header = build.machine(device, argv)
-        header.update(model=args.model, scale=args.scale, calls=args.calls, budget=args.budget, warm_up=warm)
+        header.update(model=args.model, scale=args.scale, calls=args.calls, budget=args.budget, warm_up=warm,
+                      floor_rate=args.floor_rate)  # fmt: skip
         header.update(inputs=build.describe_inputs(spec, kwargs, args), components=build.component_sizes(base))
         header["notes"] = [MEASURED_NOTE] + ([TINY_NOTE] if args.scale == "tiny" else [])
 
         def partial(rows):
-            add_ratios(rows)
+            add_ratios(rows, args.floor_rate)
             if on_row is not None:
                 on_row({"header": header, "rows": rows})
 
         rows = measure_all(base, spec, args, device, make_kwargs, partial)
-    add_ratios(rows)
+    add_ratios(rows, args.floor_rate)
     return {"header": header, "rows": rows}
 
 
 def _table_row(r: dict) -> str:
     if r["status"] != "ok":
-        return f"| `{r['label']}` | {r['status']}: {r['reason']} | | | | | | | | |"
+        return f"| `{r['label']}` | {r['status']}: {r['reason']} | | | | | | | | | | |"
     cells = [
         f"`{r['label']}`",
-        f"{r['steady_s'][0]:.3f}-{r['steady_s'][1]:.3f}",
+        f"{r['median_s']:.3f} ({r['steady_s'][0]:.3f}-{r['steady_s'][1]:.3f})",
         f"{r['first_s']:.3f}",
         "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
+        "-" if r.get("floor_s") is None else f"{r['floor_s']:.3f}",
+        "-" if r.get("floor_ratio") is None else f"{r['floor_ratio']:.2f}",
         _size(r["peak_allocated_bytes"]),
         _size(r.get("budget_bytes")),
         *(_size(r[k]) for k in ("moved_steady_bytes", "moved_first_bytes", "pinned_bytes")),
@@ -354,9 +406,10 @@ def markdown(result: dict) -> str:
     lines += [f"- device: {h['device']}{gpu}; {h['platform']}", f"- versions: {versions}", f"- date: {h['date']}",
               f"- command: `{h['command']}`", f"- inputs: {h['inputs']}", f"- components: {sizes}",
               f"- {h['calls']} timed calls per configuration; {h['warm_up']}", ""]  # fmt: skip
-    lines += ["| configuration | s / image, calls 2+ (min-max) | first call s | x no offload | peak allocated | "
-              "memory budget | moved per steady call | moved in first call | page-locked host | bytes from |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    lines += ["| configuration | s / image, median of calls 2+ (min-max) | first call s | x no offload | floor s | "
+              "x floor | peak allocated | memory budget | moved per steady call | moved in first call | "
+              "page-locked host | bytes from |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     lines += [_table_row(row) for row in result["rows"]] + ["", LEGEND]
     return "\n".join(lines) + "\n"
 
@@ -377,6 +430,9 @@ def parse(argv) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=512, help="image width, 64 to 2048, a multiple of 16")
     parser.add_argument("--frames", type=int, default=17, help="video frames (Wan), 1 to 121, 4k+1")
     parser.add_argument("--budget", default="26GiB", help="memory_budget of the residency rows (26GiB)")
+    parser.add_argument(
+        "--floor-rate", default=FLOOR_RATE, help=f"the rate of a row's floor, host-to-device ({FLOOR_RATE})"
+    )
     parser.add_argument("--sequential", action="store_true", help="also run enable_sequential_cpu_offload (slow)")
     parser.add_argument("--write", metavar="PATH", help="write the Markdown table to PATH")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
@@ -392,6 +448,10 @@ def parse(argv) -> argparse.Namespace:
                 f"argument --only: unknown configuration(s) {unknown or args.only!r}; valid: {', '.join(keys)}"
             )
     args.calls = (4 if args.scale == "real" else 2) if args.calls is None else args.calls
+    try:
+        args.floor_rate = parse_rate(args.floor_rate, argument="--floor-rate")
+    except PlanError as error:
+        parser.error(f"argument --floor-rate: {error}")
     _bounded(parser, "--calls", args.calls, 2, 20, " (the first call is reported apart from the steady state)")
     _bounded(parser, "--steps", args.steps, 1, 200)
     for option, value in (("--height", args.height), ("--width", args.width)):

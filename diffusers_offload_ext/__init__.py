@@ -17,6 +17,7 @@ _EXPORTS = {
     "ComponentStatus": "runtime.api",
     "DeferredCpuOffload": "runtime.hook",
     "END": "constants",
+    "FastPaths": "runtime.fast_paths",
     "LearntShape": "recovery.activations",
     "OffloadHandle": "runtime.hook",
     "OffloadMixin": "runtime.install",

@@ -30,6 +30,8 @@ class CallTracker:
         history (`List[Tuple[str, ...]]`): The last `limit` completed calls' traces, oldest first; failed calls and
             calls that used no hooked component are left out.
         version (`int`): Bumped whenever `history` changes.
+        callbacks (`bool`): The call in progress may run user code between its components' forwards (a step
+            callback was passed: `callback_on_step_end` or `callback`); outside calls, always assumed.
     """
 
     def __init__(self, limit: int = HISTORY) -> None:
@@ -43,6 +45,7 @@ class CallTracker:
         self.history: List[Tuple[str, ...]] = []
         self.version = 0
         self.ended = False
+        self.callbacks = True
         self._loops = 0
         self._total: Optional[int] = None
 
@@ -50,8 +53,8 @@ class CallTracker:
     def in_call(self) -> bool:
         return self.depth > 0
 
-    def begin(self) -> bool:
-        """A pipeline call starts; returns whether it is the outermost one."""
+    def begin(self, callbacks: bool = True) -> bool:
+        """A pipeline call starts (`callbacks`: with a step callback); returns whether it is the outermost one."""
         self.depth += 1
         if self.depth > 1:
             return False
@@ -59,6 +62,7 @@ class CallTracker:
         self.started += 1
         self.current = []
         self.ended = False
+        self.callbacks = callbacks
         self.step, self.phase, self._loops = None, BEFORE, 0
         return True
 

@@ -15,7 +15,7 @@ DROP = "drop"
 PREFETCH = "prefetch"
 KINDS = (COPY, DROP, PREFETCH)
 #: A policy's decision direction: run a component larger than the room the budget leaves it by streaming its blocks
-#: (the most used stay on the device, the others pass through a ring of device buffers); see `blocks.py`.
+#: (the most used stay on the device, the others pass through a ring of device buffers); see `blocks/`.
 STREAM = "stream"
 #: A policy's decision direction: the component keeps exactly the blocks its `Keep` names on the device (`Decision.kept`);
 #: while it runs, its other blocks stream through its ring. Residency block by block (`residency/blockwise.py`).
@@ -24,6 +24,11 @@ KEEP = "keep"
 #: The cause of a move an out-of-memory recovery forced (`TransferRecord.cause`): evictions that made room, a component
 #: restarted to stream its blocks in less room.
 OUT_OF_MEMORY = "out-of-memory"
+
+#: The cause of an eviction the end of a call made (`TransferRecord.cause`), and of one made when offload is armed,
+#: by the chain and by the residency manager (its budget).
+END_OF_CALL = "end of call"
+ARMING = ("arming", "budget")
 
 #: In a recorded trace, the end of a pipeline call (`maybe_free_model_hooks()`).
 END = "<end of call>"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional
 
 from .constants import DROP, OFFLOAD, ONLOAD
 
@@ -56,7 +56,11 @@ class TransferRecord(CopiedBytes):
         block (`str` or `None`): For a component that streams (larger than the room the budget left it), the block
             that moved (`"transformer_blocks.3"`, `"<rest>"`); `None` for a move of the whole component.
         cause (`str` or `None`): `"out-of-memory"` for a move an out-of-memory recovery forced (the evictions that
-            made room, a component restarted to stream in less room); `None` for a move the policy chose.
+            made room, a component restarted to stream in less room). Else, for an offload, why it was evicted:
+            `"room for X"` (component `X` was about to run: stock's chain evicting its predecessor, or the budget
+            making room), `"end of call"`, `"call start"`, `"budget"` (the residency manager armed, or armed again
+            with another budget), `"arming"` (offload armed), `"release"` (`doe.release`), `"offload requested"`
+            (the pipeline called the hook's `offload()`); `None` for onloads and other moves.
     """
 
     component: str
@@ -182,6 +186,9 @@ class Recorder:
     """The one recorder of one pipeline's moves, of whole components and of blocks: the ledger, and the observers told
     of every move (`(component, direction, module) -> finish(record)`: told before the move, finished after).
 
+    A move is recorded in two steps around it, so that the move itself runs in its mover's frame: `began =
+    recorder.begin(...)`, the move, then `recorder.finish(began, ...)`. A move that raises is not recorded.
+
     Args:
         calls (`CallTracker`): The pipeline's calls (each record's call index and step).
     """
@@ -191,6 +198,7 @@ class Recorder:
         self.ledger = TransferLedger()
         self.observers: List[Callable] = []
         self.cause: Optional[str] = None
+        self.eviction: Optional[str] = None
 
     @contextlib.contextmanager
     def caused(self, cause: str):
@@ -201,15 +209,29 @@ class Recorder:
         finally:
             self.cause = previous
 
-    def record(
-        self, name: str, direction: str, module, move: Callable[[], Tuple[int, str]], block: Optional[str] = None
+    @contextlib.contextmanager
+    def evicting(self, cause: Optional[str]):
+        """Every offload recorded inside (not the onloads) is marked with `cause`, why it was evicted, unless a
+        `caused` cause is in force or an outer `evicting` gave one."""
+        previous = self.eviction
+        self.eviction = previous or cause
+        try:
+            yield
+        finally:
+            self.eviction = previous
+
+    def begin(self, name: str, direction: str, module) -> list:
+        """A move of component `name` begins: the observers are told; what they return goes to `finish`."""
+        return [observer(name, direction, module) for observer in self.observers] if self.observers else []
+
+    def finish(
+        self, began: list, name: str, direction: str, nbytes: int, kind: str, block: Optional[str] = None
     ) -> TransferRecord:
-        """Tell the observers, make the move (`move()` returns the bytes and the kind it moved), append its record
-        and give it to the observers."""
-        finishers = [observer(name, direction, module) for observer in self.observers]
-        nbytes, kind = move()
-        record = TransferRecord(name, direction, nbytes, self.calls.index, kind, self.calls.step, block, self.cause)
+        """The move `began` is made (`nbytes` of `kind`; of one `block` of a streaming component): its record is
+        appended and given to the observers."""
+        cause = self.cause or (self.eviction if direction == OFFLOAD else None)
+        record = TransferRecord(name, direction, nbytes, self.calls.index, kind, self.calls.step, block, cause)
         self.ledger.append(record)
-        for finish in finishers:
+        for finish in began:
             finish(record)
         return record

@@ -52,7 +52,11 @@ class Session:
     """A pipeline with a call recorder and a move oracle, offload enabled with the given options.
 
     The oracle of the moves: with the plugin, the transfer seam (every move a `RecordingTransfer` sees, whatever the
-    transfer does underneath); with the patched diffusers, which has no transfer layer, a spy on `Module.to`.
+    transfer does underneath); with the patched diffusers, which has no transfer layer, a spy on `Module.to`. The spy
+    sees `.to()` calls, and on an accelerator the plugin's evictions drop unchanged weights by default (issue 31),
+    which calls none: with the plugin these sessions pass `zero_copy_eviction=False`, so that every move is a
+    `.to()` the spy sees. Which component moves when does not depend on it (`test_zero_copy_every_mode.py`,
+    `test_stock_moves.py` and `test_fast_by_default.py` check the defaults' moves).
     """
 
     def __init__(self, pipe, exclude=(), keep=(), ledger=None):
@@ -67,8 +71,11 @@ class Session:
                 from diffusers_offload_ext.testing.recording import record_transfers
 
                 self.recordings = stack.enter_context(record_transfers())
+            kwargs = enable_kwargs(exclude, keep)
+            if ledger is not None:
+                kwargs["zero_copy_eviction"] = False
             with self.spy:
-                pipe.enable_model_cpu_offload(**enable_kwargs(exclude, keep))
+                pipe.enable_model_cpu_offload(**kwargs)
         self.ledger = ledger(pipe) if ledger is not None else None
 
     def call(self, run):

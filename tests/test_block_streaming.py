@@ -456,10 +456,11 @@ def test_a_component_streamed_beside_the_others_that_runs_again_loads_whole_and_
         assert copied == sizes["transformer"]
 
 
-def test_the_cuda_copier_queues_a_copy_after_the_block_and_the_block_after_its_copy():
-    """`CudaCopier` over the fake of `torch.cuda`: a copy asked for in a block's pre-hook is queued only at the
-    block's `mark` (after its kernels), on the copy stream, after the compute stream's use of the buffer (here its
-    allocation: a fresh buffer); the buffer holds garbage for compute until `wait`."""
+def test_the_cuda_copier_queues_a_copy_after_its_buffers_last_reader_and_the_block_after_its_copy():
+    """`CudaCopier` over the fake of `torch.cuda`: a copy is queued on the copy stream when it is asked for, after the
+    event it is given (the buffer's last reader: here its allocation, a fresh buffer; without it the fake raises) and
+    after nothing else; the buffer holds garbage for compute until `wait`."""
+    from diffusers_offload_ext.testing.copy_stream import StreamOrderError
     from diffusers_offload_ext.transfer import make_transfer
 
     with fake_page_locking() as (memory, store), SimulatedAccelerator() as sim, fake_cuda() as cuda:
@@ -468,15 +469,18 @@ def test_the_cuda_copier_queues_a_copy_after_the_block_and_the_block_after_its_c
         transfer = make_transfer(sim.device, prefetch=True)
         transfer.pinning = store
         ring = Ring(sim.device, 1024, 2)  # allocated on the compute stream
-        host = weights.weight.detach()
-        view = ring.views(0, [host])[0]
         copier = transfer.copier()
-        token = copier.copy([(view, host)])
-        assert cuda.issued == []  # asked for, not queued yet
-        copier.mark()  # the block's kernels were queued
-        assert len(cuda.issued) == 1 and torch.isnan(view).all()  # in flight
+        allocated = copier.mark()
+        host = weights.weight.detach()
+        later = torch.ones(4, device=sim.device) * 2  # compute queued after the allocation: the copy does not wait
+        view = ring.views(0, [host])[0]
+        with pytest.raises(StreamOrderError):
+            copier.copy([(ring.views(1, [host])[0], host)])  # not ordered after the buffer's allocation
+        token = copier.copy([(view, host)], after=allocated)
+        assert len(cuda.issued) == 1 and cuda.ordered[-1] < cuda.issued[-1]  # queued at once, after less than all
+        assert torch.isnan(view).all()  # in flight
         copier.wait(token)
-        assert torch.equal(view.cpu(), host)
+        assert torch.equal(view.cpu(), host) and later.sum().item() == 8
         copier.drain()
     assert cuda.pageable_async == 0 and cuda.host_waits == 0
 

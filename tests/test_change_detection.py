@@ -249,3 +249,64 @@ def test_a_fingerprint_reads_each_weight_once_and_copies_none_of_them():
         fingerprints(weights)
     assert spy.read == nbytes
     assert spy.allocated < nbytes // 4
+
+
+# -- issue 31: one fused pass per eviction, one host read --------------------------------------------------------------
+class _Counting(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operations dispatched, and the host reads of device values among them (`_local_scalar_dense`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.reads = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def _release_counted(extra_words):
+    """A resident sd15 pipeline on the simulated accelerator, its unet carrying `extra_words` more int64 words;
+    `(ops, host reads, fused launches, evicted components)` while `doe.release` drops them all."""
+    import diffusers_offload_ext as doe
+    from diffusers_offload_ext.testing import tiny
+    from diffusers_offload_ext.testing.fused import fake_fused_fingerprints
+    from diffusers_offload_ext.testing.simulated_accelerator import SimulatedAccelerator
+
+    pipe = tiny.build("sd15")
+    pipe.unet.register_buffer("extra", torch.arange(extra_words, dtype=torch.int64))
+    doe.install()
+    try:
+        with SimulatedAccelerator(), fake_fused_fingerprints() as launches:
+            pipe.enable_model_cpu_offload(device="cpu", keep_on_device_between_generations=True)
+            tiny.run(pipe, "sd15")
+            before, counting = launches.count, _Counting()
+            with counting:
+                doe.release(pipe)
+            evicted = [r for r in doe.transfer_ledger(pipe).records if r.call_index is None and r.kind == "drop"]
+    finally:
+        doe.uninstall()
+    return counting.ops, counting.reads, launches.count - before, len(evicted)
+
+
+def test_an_eviction_fingerprints_in_one_fused_pass_and_reads_the_host_once():
+    """Whatever a component's bytes, its eviction's content check is one fused kernel and one read of one device flag
+    (before: about ten kernels per 2 MiB chunk, 4,900 per GB), and nothing else it runs grows with the bytes."""
+    small = _release_counted(2 * (1 << 18))  # 4 MiB more: two chunks
+    large = _release_counted(14 * (1 << 18))  # 28 MiB more: fourteen chunks
+    ops, reads, launches, evicted = small
+    assert evicted == 3 and reads == evicted and launches == evicted
+    assert large == small  # the same operations for twelve more chunks
+
+
+def test_a_fused_kernel_that_disagrees_with_the_eager_folding_is_never_trusted(caplog):
+    from harness import diffusers_logs
+
+    from diffusers_offload_ext.testing.fused import fake_fused_fingerprints
+
+    tensors = [sample(torch.float32, n=3000, seed=s) for s in range(3)]
+    eager = fingerprints(tensors)
+    with diffusers_logs(caplog, "INFO"), fake_fused_fingerprints(wrong=True) as launches:
+        found = fingerprints(tensors)
+    assert torch.equal(found, eager) and launches.count == 1  # the probe only
+    assert any("fused fingerprint is off" in r.getMessage() for r in caplog.records)

@@ -129,11 +129,12 @@ def test_page_locked_prefetches_hold_no_host_and_leave_their_weights_to_the_comp
     assert all(max_abs_diff(image, reference) <= TOLERANCE for image in images)
 
 
-def test_streamed_blocks_are_copied_after_the_running_block_and_its_buffer_readers(reference_flux):
+def test_streamed_blocks_are_copied_as_soon_as_asked_after_their_buffers_last_reader_only(reference_flux):
     """The deep tiny FLUX transformer under 80% of its size, with page-locked host copies and a copy stream: every
-    ring copy is queued after the kernels of the block running when it was asked for (not in that block's pre-hook),
-    and after the compute stream's last use of the buffer it rewrites (a fresh buffer included: else the fake
-    raises); the images are those of no offload."""
+    ring copy is queued when it is asked for (in the running block's pre-hook, before that block's kernels: issue 31;
+    it used to wait for them), ordered after the compute stream's last use of the buffer it rewrites (a fresh buffer
+    included: else the fake raises) and after nothing else queued on the compute stream (it used to wait for all of
+    it); the images are those of no offload."""
     from test_block_streaming import deep_flux
 
     pipe = deep_flux()
@@ -144,13 +145,46 @@ def test_streamed_blocks_are_copied_after_the_running_block_and_its_buffer_reade
         for block in blocks:  # registered first: they run before the offload hooks, and after them at the end
             block.register_forward_pre_hook(lambda m, a: windows.append([cuda.clock, None]))
             block.register_forward_hook(lambda m, a, o: windows[-1].__setitem__(1, cuda.clock))
-        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, prefetch=True, pin_memory=True)
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, pin_memory=True)
         images = [tiny.run(pipe, "flux") for _ in range(3)]
-    # A copy waited on at once (landed before any further compute) is the running block's own; the others run ahead.
     ahead = [clock for issued, landed, clock in cuda.landed if landed > issued]
     assert ahead and cuda.pageable_async == 0
-    assert not [n for n in ahead for start, end in windows if start <= n < end]  # none before a block's kernels
+    assert [
+        n for n in ahead for start, end in windows if start <= n < end
+    ]  # queued before the running block's kernels
+    assert any(ordered < issued for issued, ordered in zip(cuda.issued, cuda.ordered))  # not after all compute
     assert all(max_abs_diff(image, reference_flux) == 0.0 for image in images)
+
+
+def test_each_forward_prefetches_its_first_blocks_and_ends_without_a_host_wait(reference_flux):
+    """On a copy stream the first streamed blocks of every forward are prefetched at its start (they used to be
+    copied when they ran, one block per step), and a forward ends without the host waiting for the copy stream
+    inside a call without a step callback (it used to wait at each one); with a step callback, which may edit the
+    host weights, the host waits there as before."""
+    from test_block_streaming import deep_flux
+
+    pipe = deep_flux()
+    budget = int(sum(block_sizes(pipe.transformer).values()) * 0.8)
+    with fake_page_locking(), SimulatedAccelerator(), fake_cuda() as cuda:
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget)
+        tiny.run(pipe, "flux")  # learns the order and the passes
+        ledger = doe.transfer_ledger(pipe)
+        ledger.clear()
+        syncs = cuda.side_syncs
+        image = tiny.run(pipe, "flux")
+        quiet = cuda.side_syncs - syncs
+        records = list(ledger.records)
+        syncs = cuda.side_syncs
+        pipe(**tiny.call_kwargs("flux", pipe=pipe), callback_on_step_end=lambda p, i, t, kwargs: kwargs)
+        with_callback = cuda.side_syncs - syncs
+    names = {
+        r.block for r in records if r.direction == "offload" and r.step is not None and r.block
+    }  # released at each run
+    streamed = [r for r in records if r.block in names and r.direction == "onload"]
+    steps = tiny.STEPS_RUN["flux"]
+    assert len(streamed) == steps * len(names) and all(r.kind == "prefetch" for r in streamed)
+    assert with_callback == quiet + steps  # the host waits at each forward's end only with a callback
+    assert max_abs_diff(image, reference_flux) == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +209,7 @@ def test_block_streaming_without_a_copy_stream_never_holds_the_host_for_a_page_l
     pipe = deep_flux()
     budget = int(sum(block_sizes(pipe.transformer).values()) * 0.8)
     with fake_page_locking(), SimulatedAccelerator(), fake_cuda() as cuda:
-        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, pin_memory=True)
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, pin_memory=True, prefetch=False)
         images = [tiny.run(pipe, "flux") for _ in range(2)]
         streamed = [r for r in doe.transfer_ledger(pipe).records if r.block is not None and r.direction == "onload"]
     assert streamed and cuda.issued == []  # no copy stream: everything on the compute stream

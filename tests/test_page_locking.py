@@ -16,6 +16,7 @@ from diffusers_offload_ext.testing import tiny  # noqa: E402
 from diffusers_offload_ext.testing.page_locking import (  # noqa: E402
     ALREADY_REGISTERED,
     OUT_OF_MEMORY,
+    PAGE,
     fake_page_locking,
 )
 from diffusers_offload_ext.pinning import store as pinned  # noqa: E402
@@ -39,18 +40,24 @@ def storages(module):
     return found
 
 
+def pages_of(memory, found):
+    """Every page the storages of `found` (`data_ptr -> bytes`) lie in."""
+    return {page for p, n in found.items() for page in memory.pages(p, n)}
+
+
 def locked_in_place(memory, found):
-    """Every storage of `found` (`data_ptr -> bytes`) is page-locked where it lies, and every registration lies within
-    one of them (nothing registered outside the weights, no second copy)."""
-    inside = all(any(p <= start and start + n <= p + size for p, size in found.items()) for start, n in
-                 memory.registered.items())  # fmt: skip
+    """Every storage of `found` (`data_ptr -> bytes`) is page-locked where it lies, and every registration is whole
+    pages that the storages lie in (nothing registered outside the weights' pages, no second copy)."""
+    pages = pages_of(memory, found)
+    inside = all(set(memory.pages(start, n)) <= pages and start % PAGE == 0 and n % PAGE == 0
+                 for start, n in memory.registered.items())  # fmt: skip
     return inside and all(memory.locked(p, n) for p, n in found.items())
 
 
 def registered_in(memory, module):
-    """The registrations that lie in `module`'s host storages."""
-    found = storages(module)
-    return {s for s in memory.registered if any(p <= s < p + n for p, n in found.items())}
+    """The registrations that hold pages of `module`'s host storages."""
+    pages = pages_of(memory, storages(module))
+    return {s for s, n in memory.registered.items() if set(memory.pages(s, n)) & pages}
 
 
 def generate(pipe, preview=False):
@@ -333,3 +340,68 @@ def test_page_locked_memory_is_unregistered_only_after_the_copies_reading_it():
     assert still and not set(still) & left  # kept while the copy was in flight, then unregistered
     assert released == set()  # unregistered at once, after waiting for the copy
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+# -- issue 31: the review of the CUDA paths ----------------------------------------------------------------------------
+def test_pipe_to_lets_go_of_page_locked_memory_that_no_longer_backs_the_weights(reference):
+    """After `pipe.to(device)` the weights live on the device: the page-locked host memory that held them is
+    unregistered and no longer kept alive by the store (it was, before: the whole host copy stayed page-locked)."""
+    pipe = tiny.build(NAME)
+    with fake_page_locking() as (memory, store), SimulatedAccelerator() as sim:
+        pipe.enable_model_cpu_offload(device="cpu", pin_memory=True)
+        generate(pipe)
+        assert memory.registered and store.pinned_bytes
+        pipe.to(sim.device)
+        assert memory.registered == {} and store.pinned_bytes == 0
+        assert doe.offload_status(pipe).pinned_bytes == 0
+        image = generate(pipe)
+    assert (image - reference).abs().max() <= TOLERANCE
+
+
+def test_neighbouring_tensors_sharing_a_page_are_registered_once_in_whole_pages():
+    """Two storages of one mapping whose ranges share a page (as safetensors' mapped weights do): every page is
+    registered once, by registrations that start and end on page boundaries, and none outside their pages."""
+    import mmap
+
+    mapping = mmap.mmap(-1, 8 * PAGE)
+    module = torch.nn.Module()
+    first = torch.frombuffer(mapping, dtype=torch.uint8, count=PAGE + 100, offset=50)
+    second = torch.frombuffer(mapping, dtype=torch.uint8, count=2 * PAGE, offset=50 + PAGE + 100)
+    module.register_buffer("first", first)
+    module.register_buffer("second", second)
+    with fake_page_locking() as (memory, store):
+        assert store.prepare(module, "neighbours")
+        made = [(p, n) for p, n, _, _ in memory.registrations]
+        assert not memory.refusals
+        pages = [page for p, n in made for page in memory.pages(p, n)]
+        wanted = set(memory.pages(first.data_ptr(), first.numel())) | set(memory.pages(second.data_ptr(), PAGE * 2))
+        assert sorted(pages) == sorted(set(pages)) and set(pages) == wanted  # each page once, no other page
+        assert all(p % PAGE == 0 and n % PAGE == 0 for p, n in made)  # whole pages: what the driver locks
+        store.release(module)
+        assert memory.registered == {}
+
+
+def test_registrations_are_portable_in_the_asking_devices_context_and_never_synchronize(monkeypatch):
+    """A registration asked for by `cuda:1` is made with `CU_MEMHOSTREGISTER_PORTABLE` (page-locked for every
+    context) in cuda:1's primary context, pushed and popped around the call, and unregistered in that same context,
+    even when another device asks; no call synchronizes a device (a finaliser running at exit must not)."""
+    from diffusers_offload_ext.pinning import locking
+    from diffusers_offload_ext.testing.page_locking import CONTEXT, FakeHostMemory
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a device-wide synchronize")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", refuse)
+    memory = FakeHostMemory()
+    locker = locking.DriverLocker(memory.driver)
+    buffer = torch.zeros(3 * PAGE, dtype=torch.uint8)
+    start = -(-buffer.data_ptr() // PAGE) * PAGE
+    assert locker.register(start, PAGE, torch.device("cuda", 1)) == 0
+    assert memory.registrations == [(start, PAGE, locking.PORTABLE, CONTEXT + 1)]
+    assert memory.contexts == []  # popped again
+    seen = []
+    memory.driver.cuMemHostUnregister.function = lambda p: seen.append(list(memory.contexts)) or memory._unregister(
+        "driver", p
+    )
+    assert locker.unregister(start, torch.device("cuda", 0)) == 0
+    assert seen == [[CONTEXT + 1]] and memory.registered == {}

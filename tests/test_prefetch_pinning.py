@@ -1,10 +1,11 @@
-"""`prefetch=True` copies only from page-locked host memory (issue 22, phase 2): with `pin_memory` not set it turns
-page-locking to `"auto"` and says so once; an explicit `pin_memory=False` beside it is refused before anything
-changes. Run through the fakes of the driver's page-locking and of `torch.cuda`'s streams (no GPU in CI)."""
+"""`prefetch` copies only from page-locked host memory (issue 22, phase 2): not set, both are on where the device is an
+accelerator that can page-lock and has copy streams (issue 31), off on the plain CPU; an explicit `pin_memory=False`
+beside an explicit `prefetch=True` is refused before anything changes. Run through the fakes of the driver's
+page-locking and of `torch.cuda`'s streams (no GPU in CI)."""
 
 import pytest
 import torch
-from harness import diffusers_logs, max_abs_diff
+from harness import max_abs_diff
 from simulated_accelerator import SimulatedAccelerator
 
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: prefetch and page-locking")
@@ -19,29 +20,36 @@ NAME = "sd15"
 BIG = "1GiB"
 
 
-def test_prefetch_with_pin_memory_not_set_page_locks_and_says_so_once(caplog):
+def test_pin_memory_and_prefetch_not_set_page_lock_and_prefetch_on_an_accelerator():
+    """Issue 31: with neither set, an accelerator with page-locking and copy streams (the fakes of CUDA) page-locks
+    and prefetches; the options stay "not set", and `fast_paths` says why each is on."""
     pipe = tiny.build(NAME)
     reference = tiny.run(tiny.build(NAME), NAME)
     with fake_page_locking(), SimulatedAccelerator(), fake_cuda() as cuda:
-        with diffusers_logs(caplog, "INFO"):
-            pipe.enable_model_cpu_offload(device="cpu", memory_budget=BIG, prefetch=True)
-            images = [tiny.run(pipe, NAME) for _ in range(2)]
-            pipe.enable_model_cpu_offload(device="cpu", prefetch=True)  # enabled again: said once
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=BIG)
+        images = [tiny.run(pipe, NAME) for _ in range(2)]
         status = doe.offload_status(pipe)
-    said = [r.getMessage() for r in caplog.records if 'pin_memory="auto"' in r.getMessage()]
-    assert len(said) == 1 and "`prefetch=True` page-locks" in said[0]
-    assert status.options["pin_memory"] is None and status.options["prefetch"] is True  # not set, and shown so
-    assert status.pinned_bytes > 0  # page-locked, as "auto" does on a device that supports it
+    assert status.options["pin_memory"] is None and status.options["prefetch"] is None  # not set, and shown so
+    fast = status.fast_paths
+    assert fast.accelerator and fast.drops and fast.page_locked and fast.prefetch
+    assert "default" in fast.why["pin_memory"] and "self-check passed" in fast.why["pin_memory"]
+    assert status.pinned_bytes > 0
+    assert "prefetch" in {r.kind for r in doe.transfer_ledger(pipe).records}
     assert cuda.issued and cuda.pageable_async == 0  # prefetched asynchronously, never from pageable memory
     assert all(max_abs_diff(image, reference) <= 1e-3 for image in images)
 
 
-def test_pin_memory_not_set_stays_off_without_prefetch():
+def test_prefetch_true_on_the_plain_cpu_page_locks_nothing_there():
+    """The plain CPU keeps the plain paths: with the fakes active, `prefetch=True` (which asks for page-locking) finds
+    no accelerator: nothing is page-locked (the device is the host), nothing prefetched."""
     pipe = tiny.build(NAME)
-    with fake_page_locking(), SimulatedAccelerator():
-        pipe.enable_model_cpu_offload(device="cpu", memory_budget=BIG)
+    with fake_page_locking():
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget=BIG, prefetch=True)
         tiny.run(pipe, NAME)
-        assert doe.offload_status(pipe).pinned_bytes == 0
+        status = doe.offload_status(pipe)
+    assert not status.fast_paths.accelerator and not status.fast_paths.page_locked
+    assert status.pinned_bytes == 0
+    assert "prefetch" not in {r.kind for r in doe.transfer_ledger(pipe).records}
 
 
 @pytest.mark.parametrize("together", [True, False], ids=["same-call", "pin-first"])
@@ -60,18 +68,16 @@ def test_an_explicit_pin_memory_false_with_prefetch_is_refused_before_anything_c
     assert doe.offload_status(pipe) == before  # nothing changed
 
 
-def test_pin_memory_false_while_the_manager_is_off_is_refused_when_prefetch_would_act_again():
-    """Issue 21's fix stands: `prefetch` stays set while the manager is off; `pin_memory=False` is accepted then
-    (prefetch does nothing), and refused when the manager comes back on and prefetch would act."""
+def test_pin_memory_false_is_refused_while_prefetch_true_is_in_force_and_accepted_after_prefetch_false():
+    """`prefetch=True` no longer needs the residency manager (issue 31: the chain modes prefetch too), so
+    `pin_memory=False` is refused whenever `prefetch=True` is in force, manager on or off; `prefetch=False` first (or
+    leaving `prefetch` unset) makes it acceptable."""
     pipe = tiny.build(NAME)
-    pipe.enable_model_cpu_offload(device="cpu", memory_budget=BIG, prefetch=True)
-    pipe.enable_model_cpu_offload(device="cpu", memory_budget="auto")  # the manager off: prefetch stays set
-    pipe.enable_model_cpu_offload(device="cpu", pin_memory=False)
-    options = doe.offload_status(pipe).options
-    assert options["prefetch"] is True and options["pin_memory"] is False
+    pipe.enable_model_cpu_offload(device="cpu", prefetch=True)  # the chain: accepted now
     with pytest.raises(ValueError, match="set before"):
-        pipe.enable_model_cpu_offload(device="cpu", memory_budget=BIG)
-    assert doe.offload_status(pipe).options["memory_budget"] is None  # the rejected call changed nothing
-    pipe.enable_model_cpu_offload(device="cpu", memory_budget=BIG, pin_memory="auto")
-    assert doe.offload_status(pipe).options["prefetch"] is True
+        pipe.enable_model_cpu_offload(device="cpu", pin_memory=False)
+    assert doe.offload_status(pipe).options["pin_memory"] is None  # the rejected call changed nothing
+    pipe.enable_model_cpu_offload(device="cpu", prefetch=False, pin_memory=False)
+    options = doe.offload_status(pipe).options
+    assert options["prefetch"] is False and options["pin_memory"] is False
     assert torch.is_tensor(tiny.run(pipe, NAME))

@@ -69,7 +69,8 @@ def test_end_of_call_walks_only_what_it_moves(installed, monkeypatch):
     pipe.maybe_free_model_hooks()
     moved = [(r.component, r.direction) for r in ledger.records]
     assert moved == [("transformer", "offload"), ("safety_checker", "offload"), ("safety_checker", "onload")]
-    assert counted.count("to") == len(moved)
+    copies = [r for r in ledger.records if r.kind != "drop"]  # a drop puts the host tensors back: no `.to()`
+    assert counted.count("to") == len(copies)
 
 
 def test_a_change_arms_everything_again(installed):

@@ -72,10 +72,15 @@ def test_same_moves_without_the_copies(name, mode, reference):
 
 
 @pytest.mark.usefixtures("installed")
-@pytest.mark.parametrize("mode", ["defaults", "keep"])
-def test_not_set_means_copies_outside_the_residency_manager(mode):
-    _, _, records, _ = generate("sd15", mode, zero_copy=None)
-    assert {r.kind for r in records if r.direction == "offload"} == {"copy"}
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_not_set_means_drops_on_an_accelerator_in_every_mode(mode):
+    """Issue 31: on an accelerator (here the simulated one) `zero_copy_eviction` not set drops, in every mode."""
+    _, _, records, d2h = generate("sd15", mode, zero_copy=None)
+    _, _, explicit, explicit_d2h = generate("sd15", mode, zero_copy=True)
+    assert {r.kind for r in records if r.direction == "offload"} == {"drop"}
+    moves = [(r.component, r.direction, r.nbytes, r.call_index, r.kind) for r in records]
+    assert moves == [(r.component, r.direction, r.nbytes, r.call_index, r.kind) for r in explicit]
+    assert d2h == explicit_d2h  # the image alone crosses
 
 
 @pytest.mark.usefixtures("installed")

@@ -5,15 +5,20 @@
 #
 #   tools/gpu_check.sh RESULTS [SECONDS]      # SECONDS: the whole check's time limit (default 540)
 #
-# Environment: PYTHON (default python3), ROWS (realscale --only keys), STEPS, CALLS, SCALE (real or tiny).
+# Environment: PYTHON (default python3), ROWS (realscale --only keys), STEPS, CALLS, SCALE (real or tiny), PEERS (the
+# peers' rows, each run in its own process beside no offload: their hooks cannot be removed; a peer whose package is
+# not importable, diffusers-mm's without its wheel carried, says so and is skipped).
 # Without CUDA every part says so and the script exits 0 (the test suite runs it with SCALE=tiny).
+# Each row is the median of CALLS-1 steady calls (CALLS 4: three), against no offload measured in the same process,
+# and against its floor (no offload plus its host-to-device bytes at the page-locked rate).
 set -u
 RESULTS=${1:?usage: tools/gpu_check.sh RESULTS [SECONDS]}
 LIMIT=${2:-540}
 PYTHON=${PYTHON:-python3}
-ROWS=${ROWS:-no-offload,stock,residency-budget,stream-16GiB-prefetch,stream-8GiB-prefetch,group}
+ROWS=${ROWS:-no-offload,default,exclude,keep,residency-budget,group}
+PEERS=${PEERS:-mm-auto,mm-block-pin}
 STEPS=${STEPS:-10}
-CALLS=${CALLS:-2}
+CALLS=${CALLS:-4}
 SCALE=${SCALE:-real}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$RESULTS"
@@ -60,7 +65,16 @@ for section in pagelock pools bandwidth mapped fingerprint; do
 done
 part probe-tiny 120 "$PYTHON" "$ROOT/benchmarks/gpu_probes.py" tiny --out "$RESULTS/probes.jsonl"
 part cuda-tests 150 "$PYTHON" -m pytest -p no:cacheprovider -q -s -rs "$ROOT/tests/test_block_streaming_cuda.py" \
-    "$ROOT/tests/test_out_of_memory_cuda.py"
+    "$ROOT/tests/test_out_of_memory_cuda.py" "$ROOT/tests/test_fused_fingerprint_cuda.py"
 part realscale 100000 "$PYTHON" "$ROOT/benchmarks/realscale.py" --scale "$SCALE" --model flux-dev --only "$ROWS" \
     --steps "$STEPS" --calls "$CALLS" --json-out "$RESULTS/realscale.json" --write "$RESULTS/realscale.md"
+for peer in ${PEERS//,/ }; do
+    case "$peer" in mm-*) module=diffusers_mm ;; *) module="" ;; esac
+    if [ -n "$module" ] && ! "$PYTHON" -c "import $module" 2>/dev/null; then
+        echo "peer-$peer: not run ($module is not importable: carry its wheel)" | tee -a "$RESULTS/summary.txt"
+        continue
+    fi
+    part "peer-$peer" 100000 "$PYTHON" "$ROOT/benchmarks/realscale.py" --scale "$SCALE" --model flux-dev \
+        --only "no-offload,$peer" --steps "$STEPS" --calls "$CALLS" --json-out "$RESULTS/peer-$peer.json"
+done
 exit 0

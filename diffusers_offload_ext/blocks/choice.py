@@ -18,7 +18,7 @@ one running and `depth` prefetched ahead. The ring is part of the room, so keepi
 
 from __future__ import annotations
 
-from typing import FrozenSet, Hashable, Iterable, NamedTuple, Optional, Sequence, Tuple
+from typing import FrozenSet, Hashable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 #: Blocks prefetched ahead of the one running (the ring has `DEPTH + 1` slots).
 DEPTH = 2
@@ -80,17 +80,51 @@ def _checked(items: Iterable[Item]) -> Tuple[Item, ...]:
 
 
 def keep_most_used(items: Iterable[Item], room: int) -> FrozenSet:
-    """Keys of the blocks to keep within `room` bytes: most uses first (ties: larger first, then given order), each
-    block that still fits; never a block without uses (keeping it would only cost its copy). At most one block's
-    value (`nbytes * uses`) short of the best choice."""
+    """Keys of the blocks to keep within `room` bytes: most uses first (ties: larger first, then spread along the
+    given order, `spread_ranks`), each block that still fits; never a block without uses (keeping it would only cost
+    its copy). At most one block's value (`nbytes * uses`) short of the best choice."""
     items = _checked(items)
-    order = sorted(range(len(items)), key=lambda i: (-items[i].uses, -items[i].nbytes, i))
+    ranks = spread_ranks([(item.uses, item.nbytes) for item in items])
+    order = sorted(range(len(items)), key=lambda i: (-items[i].uses, -items[i].nbytes, ranks[i]))
     kept, left = set(), int(room)
     for i in order:
         if items[i].uses and items[i].nbytes <= left:
             kept.add(items[i].key)
             left -= items[i].nbytes
     return frozenset(kept)
+
+
+def spread_ranks(classes: Sequence[Hashable]) -> List[int]:
+    """For items in running order, each with its class (equal blocks: equal class), a rank per item such that, within
+    a class, the items of the lowest ranks lie evenly along the order (a van der Corput order of their positions):
+    kept blocks taken by rank leave the streamed ones spread through the forward, each streamed block's copy
+    overlapping the kept blocks that run before it, instead of a run of streamed blocks at the end whose copies the
+    ring can only take two at a time (issue 31). It changes which of equal blocks stay, never how many bytes."""
+    members: dict = {}
+    for index, key in enumerate(classes):
+        members.setdefault(key, []).append(index)
+    ranks = [0] * len(classes)
+    for indices in members.values():
+        for rank, position in enumerate(_spread_order(len(indices))):
+            ranks[indices[position]] = rank
+    return ranks
+
+
+def _spread_order(count: int) -> List[int]:
+    """Positions `0..count-1` in an order whose every prefix lies evenly spread (van der Corput: bit-reversed
+    fractions of `count`; at most `2 * count` steps)."""
+    order, seen, step = [], set(), 0
+    while len(order) < count:
+        fraction, bit, rest = 0.0, 0.5, step
+        while rest:
+            fraction += bit * (rest & 1)
+            rest, bit = rest >> 1, bit / 2
+        position = int(fraction * count)
+        if position not in seen:
+            seen.add(position)
+            order.append(position)
+        step += 1
+    return order
 
 
 def streamed_bytes(items: Iterable[Item], kept: Iterable) -> int:

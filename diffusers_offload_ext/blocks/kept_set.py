@@ -32,9 +32,9 @@ class KeptSet:
         if self.ring is not None or not self.slots or not self.streamed:
             return
         self.ring = self.new_ring()
-        self._holder, self._tokens, self._freed = [None] * self.slots, [None] * self.slots, [None] * self.slots
-        for name in self.schedule(self.runs, None, self.depth, self.passes):  # cross while the rest runs
-            self._load(name, ahead=True)
+        allocated = self.copier.mark()  # the first copy into each buffer waits for its allocation, nothing more
+        self._holder, self._tokens, self._freed = [None] * self.slots, [None] * self.slots, [allocated] * self.slots
+        self.first_blocks()
 
     def release_ring(self) -> None:
         """Let the ring go (its room is another component's now); it is allocated again before the next block that

@@ -4,9 +4,12 @@ unless the call failed (a partial pass: blocks that did not run would weigh noth
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import TYPE_CHECKING, Dict
 
 from .items import block_choice
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .streamer import BlockStreamer
 
 
 class StreamLessons:

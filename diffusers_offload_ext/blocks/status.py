@@ -34,7 +34,7 @@ class StreamBytes(Mapping):
     """The bytes each streaming component of `streams` holds on the device, its kept blocks and ring: what the
     policy counts for it while it is resident (`Facts.streaming`), read live."""
 
-    def __init__(self, streams: "BlockStreams") -> None:
+    def __init__(self, streams) -> None:  # a `BlockStreams`
         self._choices = streams.choices
 
     def __getitem__(self, name: str) -> int:
@@ -51,7 +51,7 @@ class KeptFacts(Mapping):
     """For each streaming component of `streams`, the blocks it keeps and the bytes of the ring it holds
     (`Facts.kept`), read live."""
 
-    def __init__(self, streams: "BlockStreams") -> None:
+    def __init__(self, streams) -> None:  # a `BlockStreams`
         self._streams = streams
 
     def __getitem__(self, name: str) -> tuple:

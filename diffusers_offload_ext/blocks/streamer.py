@@ -10,8 +10,11 @@ counter, are seen for the kept blocks (fingerprints, as for whole components: `H
 blocks, which no code outside their forward can reach while they are on the device. Between forwards (a step
 callback) a streamed block is its host tensors: whatever is there when it is copied, a `Parameter` or its data
 replaced included, is what runs and what is put back (`StreamedBlock.refresh`); nothing is copied ahead across the
-end of a forward, and a copy stream is drained there, so no copy reads host memory that code between forwards may
-write.
+end of a forward, and where code that may write them runs next (a step callback; outside a pipeline call, any code)
+the host waits there for the copy stream, so that no copy still reads host memory that code may write. Inside a
+pipeline call without a step callback no code writes them between forwards: the forward ends without a host wait.
+On a copy stream the first blocks are prefetched from each forward's start, and each copy waits only for the last
+reader of the buffer it rewrites (`pinning/copy_stream.py`).
 Forward hooks are registered with `always_call`, so a block that raises still releases its buffer; `settle` releases
 whatever a failed call left. Around a block compiled in place (regional compilation) they run outside its graph
 (`block_hooks.py`).
@@ -28,7 +31,6 @@ import torch
 
 from ..constants import COPY, DROP, OFFLOAD, ONLOAD, PREFETCH
 from ..transfer.base import HOST
-from .hooks import Around
 from ..transfer.inference import has_inference_parameters, streams_ordinary_tensors
 from .kept_blocks import KeptBlocks
 from ..transfer.copier import Copier
@@ -57,6 +59,8 @@ class BlockStreamer(KeptSet):
         passes (`int`, *optional*): How many forwards the component is expected to run (as many as last time).
         schedule (`Callable`): Which blocks to prefetch, `(order, running block or None, depth, passes) -> blocks`
             (`policies.blocks_ahead`: the "when" is a policy's).
+        edits_between (`Callable[[], bool]`, *optional*): Whether code that may write host weights runs between two
+            forwards (`_forward_ends`); always, by default.
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class BlockStreamer(KeptSet):
         passes=None,
         *,
         schedule,
+        edits_between: Callable[[], bool] = lambda: True,
     ) -> None:
         self.passes, self.inference_parameters, self.schedule = passes, has_inference_parameters(component), schedule
         self.component, self.device, self.copier, self.emit, self.check = component, device, copier, emit, check
@@ -90,7 +95,7 @@ class BlockStreamer(KeptSet):
         self.use_index: Optional[int] = None
         self.runs_by_use: Dict[int, set] = {}
         self.seen: List[str] = []
-        self.keeper = KeptBlocks(component, self.kept, device, copier, emit, check)
+        self.keeper, self.edits_between = KeptBlocks(component, self.kept, device, copier, emit, check), edits_between
         self.ring: Optional[Ring] = None
         #: Whether the ring is wanted now (a stream whose component does not run may let it go: `release_ring`).
         self.holds_ring = True
@@ -115,7 +120,10 @@ class BlockStreamer(KeptSet):
 
     def _start(self) -> None:
         self.keeper.load()
-        self._handles = [self.component.register_forward_hook(lambda *_: _drain(self.copier), always_call=True)]
+        self._handles = [
+            self.component.register_forward_pre_hook(lambda *_: _forward_starts(self)),
+            self.component.register_forward_hook(lambda *_: _forward_ends(self), always_call=True),
+        ]
         for name, block in self.streamed.items():
             _refresh(self, block)  # a tensor found on the device goes home
             self._hook_streamed(name)
@@ -127,6 +135,10 @@ class BlockStreamer(KeptSet):
     def new_ring(self) -> Ring:
         """A ring of its `slots` buffers of `slot_bytes` on the device."""
         return Ring(self.device, self.slot_bytes, self.slots)
+
+    def first_blocks(self) -> None:
+        """The ring was just allocated: its first blocks cross while the rest runs (`_forward_starts`)."""
+        _forward_starts(self, self.passes)
 
     def settle(self) -> None:
         """Release every block in the ring (a failed call left one running, or prefetches were never used)."""
@@ -255,11 +267,26 @@ def _refresh(streamer: BlockStreamer, block: StreamedBlock) -> None:
 
 
 @torch.compiler.disable
-def _drain(copier: Copier) -> None:
-    """The end of a component's forward: code that may write the host tensors runs next (a step callback), so no copy
-    may still be reading them."""
-    if copier.asynchronous:
-        copier.drain()
+@streams_ordinary_tensors
+def _forward_starts(streamer: BlockStreamer, passes=None) -> None:
+    """A forward of the component starts (after any code between forwards ran): on a copy stream, its first blocks
+    are copied now, while the component's first layers run (each copy ordered after its buffer's last reader only).
+    Without one, only when streaming starts (`passes` given: `_start`), as before: a copy made at once overlaps
+    nothing, and the ledger of the plain paths stays what it was."""
+    if not streamer.copier.asynchronous and passes is None or streamer.ring is None:
+        return
+    asynchronous = streamer.copier.asynchronous
+    for name in streamer.schedule(streamer.runs, None, streamer.depth, (passes or 1) if asynchronous else passes):
+        if streamer.streamed[name].slot is None and streamer._free_slot() is not None:
+            streamer._load(name, ahead=True)
+
+
+@torch.compiler.disable
+def _forward_ends(streamer: BlockStreamer) -> None:
+    """A forward ended: every copy asked for is made; the host waits for them only where code that may write the host
+    weights runs next (`edits_between`: a step callback, or outside a pipeline call)."""
+    if streamer.copier.asynchronous:
+        streamer.copier.drain() if streamer.edits_between() else streamer.copier.end_forward()
 
 
 def intact(streamer: BlockStreamer) -> bool:

@@ -5,7 +5,7 @@ for its next start, and the facts the policy is told of them (`Facts.streaming`,
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Set, Tuple
+from typing import Dict, Optional, Set, Tuple
 
 from diffusers.utils import logging
 
@@ -26,13 +26,13 @@ class BlockStreams(StreamLessons):
     """The streaming components of one pipeline.
 
     Args:
-        record (`Callable`): The pipeline's move recorder (`Recorder.record`), told of every block move.
+        recorder (`Recorder`): The pipeline's move recorder, told of every block move.
         calls (`CallTracker`): The pipeline's calls: what a stream learns in a call is used by the next calls only
             once the call ended without failing (`end_call`); a failed call leaves the previous plan in force.
     """
 
-    def __init__(self, record: Callable, calls) -> None:
-        self.record, self.calls = record, calls
+    def __init__(self, recorder, calls) -> None:
+        self.recorder, self.calls = recorder, calls
         self.active: Dict[str, BlockStreamer] = {}
         self.choices: Dict[str, BlockChoice] = {}
         self.rooms: Dict[str, int] = {}  # name -> the room each active stream was given
@@ -95,10 +95,10 @@ class BlockStreams(StreamLessons):
         """Start streaming `name` with plan `choice`; a start that raises leaves it not streaming."""
         order, uses = self.this_call.get(name) or self.learned.get(name, (None, {}))
         if transfer.pinning is not None:
-            transfer.pinning.prepare(module, type(module).__name__)
+            transfer.pinning.prepare(module, type(module).__name__, transfer.device)
 
         def emit(block, direction, nbytes, kind):
-            self.record(name, direction, module, lambda: (nbytes, kind), block)
+            self.recorder.finish(self.recorder.begin(name, direction, module), name, direction, nbytes, kind, block)
 
         streamer = BlockStreamer(
             module,
@@ -111,6 +111,7 @@ class BlockStreams(StreamLessons):
             check=check,
             passes=max(uses.values()) if uses else None,
             schedule=blocks_ahead,
+            edits_between=lambda: not self.calls.in_call or self.calls.callbacks,
         )
         streamer.holds_ring = ring
         if whole:  # on the device already: its kept blocks stay where they are, the others go home
@@ -139,8 +140,8 @@ class BlockStreams(StreamLessons):
                 logger.info(
                     f"`{name}` ({format_size(overflow.nbytes)}) does not fit in the room the memory budget leaves it "
                     f"({format_size(overflow.limit)}): it streams. {len(choice.kept)} of "
-                    f"{len(choice.kept) + len(choice.streamed)} blocks stay on the device ({format_size(choice.kept_bytes)}), "
-                    f"the others pass through {choice.slots} buffers of {format_size(choice.slot_bytes)} as they run."
+                    f"{len(choice.kept) + len(choice.streamed)} blocks stay on the device "
+                    f"({format_size(choice.kept_bytes)}), the others pass through {choice.slots} buffers of {format_size(choice.slot_bytes)} as they run."
                 )
             return True
         if not said:

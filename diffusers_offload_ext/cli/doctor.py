@@ -14,7 +14,10 @@ from typing import Dict, List, Optional
 from ..models.bounds import format_rate
 from . import output
 
-HELP = "versions, accelerators, whether diffusers has the patch, and what install() would change"
+HELP = (
+    "versions, accelerators, the fast paths offload uses on each and why, whether diffusers has the patch, and what "
+    "install() would change"
+)
 PACKAGES = ("torch", "diffusers", "accelerate", "transformers", "rich", "matplotlib")
 PATCH_ARGUMENTS = ("exclude_from_offload", "keep_on_device_during_generation")
 OVERRIDE = "enable_model_cpu_offload"
@@ -23,15 +26,42 @@ OVERRIDE = "enable_model_cpu_offload"
 def add_parser(commands, common) -> None:
     c = commands.add_parser("doctor", parents=[common], help=HELP, description=HELP + ".")
     c.add_argument("--no-bandwidth", action="store_true", help="skip measuring copy bandwidth on a CUDA device")
+    c.add_argument(
+        "--measure",
+        nargs="?",
+        const="",
+        metavar="PATH",
+        help="measure the copy rates on the first CUDA device and write them as a rate profile to PATH (default: "
+        "$XDG_CACHE_HOME/diffusers-offload/profile.json), which `diffusers-offload plan --profile PATH` prices with",
+    )
     c.set_defaults(handler=run)
 
 
 def run(args) -> int:
-    report = doctor(measure=not args.no_bandwidth)
+    measure = getattr(args, "measure", None)
+    with output.quiet_transformers():
+        report = doctor(measure=measure is not None or not args.no_bandwidth)
+    code = 0
+    if measure is not None:
+        code = _write_profile(report, measure)
     if args.json:
         output.emit_json(report)
     else:
         output.write(render(report, output.width()))
+    return code
+
+
+def _write_profile(report: dict, path: str) -> int:
+    """Write the measured rates as a rate profile (`models/profiles.py`) at `path` (empty: the default path); the
+    report says where, or why not (exit code 1: nothing measured)."""
+    from ..models.profiles import default_path, write_profile
+
+    measured = report["bandwidth"]
+    if not measured["measured"]:
+        report["profile"] = {"written": None, "reason": measured["reason"]}
+        return 1
+    written = write_profile(path or default_path(), measured, measured["name"], name=measured["device"])
+    report["profile"] = {"written": str(written), "reason": None}
     return 0
 
 
@@ -49,6 +79,7 @@ def doctor(measure: bool = True) -> dict:
         "host_memory": _host_memory(),
         "accelerators": accelerators,
         "bandwidth": _bandwidth(accelerators, measure),
+        "fast_paths": _fast_paths(accelerators),
         "upstream_patch": _upstream_patch(),
         "install_would": _install_changes(),
         "demo": _demo_readiness(),
@@ -105,7 +136,7 @@ def _bandwidth(accelerators: List[dict], measure: bool) -> dict:
     """Measured copy bandwidths (bytes per second) on the first CUDA device, or why there are none."""
     cuda = [d for d in accelerators if d["device"].startswith("cuda")]
     if not cuda:
-        return {"measured": False, "reason": "no CUDA device: plan and demo price seconds at assumed bandwidths"}
+        return {"measured": False, "reason": "no CUDA device: plan prices seconds with a shipped rate profile"}
     if not measure:
         return {"measured": False, "reason": "skipped (--no-bandwidth)"}
     import torch
@@ -114,6 +145,26 @@ def _bandwidth(accelerators: List[dict], measure: bool) -> dict:
 
     rates = bandwidth.measure(torch.device(cuda[0]["device"]))
     return {"measured": True, "device": cuda[0]["device"], "name": cuda[0]["name"], **rates}
+
+
+def _fast_paths(accelerators: List[dict]) -> Dict[str, dict]:
+    """For each accelerator (or the plain CPU when there is none), the fast paths `enable_model_cpu_offload()` uses
+    there with no option, and why (`runtime/fast_paths.py`; on CUDA this runs the page-locking self-check)."""
+    import torch
+
+    from ..runtime.fast_paths import resolve
+    from ..runtime.options import OffloadOptions
+
+    devices = [d["device"] for d in accelerators] or ["cpu:0"]
+    found = {}
+    for name in devices:
+        try:
+            fast = resolve(OffloadOptions(), torch.device(name if ":" in name else f"{name}:0"))
+        except (RuntimeError, ValueError) as error:
+            found[name] = {"error": str(error).splitlines()[0][:200]}
+            continue
+        found[name] = {k: v for k, v in fast._asdict().items()}
+    return found
 
 
 def _upstream_patch() -> Dict[str, bool]:
@@ -128,10 +179,10 @@ def _upstream_patch() -> Dict[str, bool]:
 
 
 def _install_changes() -> dict:
-    from ..runtime.methods import METHODS
+    from ..marks import REPLACED
 
     return {
-        "replace_on_DiffusionPipeline": sorted(METHODS),
+        "replace_on_DiffusionPipeline": sorted(REPLACED),
         "wrap": "__call__ of every DiffusionPipeline subclass, imported already or later",
         "own_enable_model_cpu_offload": _overrides(),
     }
@@ -208,6 +259,11 @@ def render(report: dict, columns: int) -> List[str]:
     if not report["accelerators"]:
         rows.append(["accelerators", "none: offload can only target device='cpu' here"])
     rows += _bandwidth_rows(report["bandwidth"])
+    rows += _fast_path_rows(report["fast_paths"])
+    written = (report.get("profile") or {}).get("written")
+    if report.get("profile"):
+        rows.append(["rate profile", f"written to {written}: plan --profile {written}" if written
+                     else f"not written: {report['profile']['reason']}"])  # fmt: skip
     patch = report["upstream_patch"]
     carried = all(patch.values())
     rows.append(["diffusers has the patch", "yes: enable_model_cpu_offload takes " + ", ".join(patch) if carried
@@ -236,8 +292,22 @@ def _bandwidth_rows(measured: dict) -> List[list]:
         ["plan with them", f"--h2d-bandwidth {rate['h2d_pageable'].replace(' ', '')} "
          f"--d2h-bandwidth {rate['d2h_fresh'].replace(' ', '')}"
          + (f" --pinned-bandwidth {rate['h2d_page_locked'].replace(' ', '')}" if locked else "")
-         + " (stock's moves: pageable host memory; block residency's: page-locked)"],
+         + " (stock's moves: pageable host memory; the fast paths: page-locked), or doctor --measure PATH writes "
+         "them as a rate profile that plan --profile PATH reads"],
     ]  # fmt: skip
+
+
+def _fast_path_rows(found: Dict[str, dict]) -> List[list]:
+    rows = []
+    for device, fast in found.items():
+        if "error" in fast:
+            rows.append([f"fast paths {device}", f"not known: {fast['error']}"])
+            continue
+        on = [k for k, key in (("drops", "drops"), ("page-locked copies", "page_locked"), ("prefetch", "prefetch"))
+              if fast[key]]  # fmt: skip
+        why = "; ".join(f"{option}: {reason}" for option, reason in fast["why"].items())
+        rows.append([f"fast paths {device}", f"{', '.join(on) or 'none'} by default ({why})"])
+    return rows
 
 
 def _key_values(rows, columns: int) -> List[str]:

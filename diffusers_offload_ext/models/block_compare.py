@@ -12,7 +12,7 @@ not do this: it keeps whole components and streams only those that do not fit (o
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from ..blocks.choice import Item, choose_blocks
 from ..units import format_size
@@ -160,19 +160,18 @@ def streaming_entry(plans: BlockPlans, name: str, size: int, room: int, forwards
 
 #: The rows of the comparison, in the order they are shown.
 ROWS = {
-    "budget": "budget (as recommended)",
-    "budget_pinned": "budget + pin_memory, prefetch",
+    "budget": "budget, pin_memory=False",
+    "budget_pinned": "budget (defaults on CUDA: pin_memory, prefetch)",
     "optimum": "static block optimum (modelled)",
     "sequential": "sequential",
     "group": "group (block level)",
     "stock": "stock",
 }
 BANDWIDTH_NOTE = (
-    "budget as recommended (no pin_memory, no prefetch) copies from pageable memory at the host-to-device bandwidth, "
-    "nothing hidden behind compute, as do stock and sequential offload (stock copies evictions back at the "
-    "device-to-host one); budget + pin_memory, prefetch (the recommended call with pin_memory=True, prefetch=True "
-    "added, both opt-in), the block optimum and group offload (use_stream=True) copy from page-locked host memory at "
-    "the pinned bandwidth"
+    "budget (the recommended call as it runs on CUDA by default, as with pin_memory=True, prefetch=True), the block "
+    "optimum and group offload (use_stream=True) copy from page-locked host memory at the pinned rate; budget with "
+    "pin_memory=False copies from pageable memory at the host-to-device rate, nothing hidden behind compute, as do "
+    "stock and sequential offload (stock copies evictions back at the device-to-host rate)"
 )
 OVERLAP_COPIES = (
     "seconds are the copies alone: no compute, nothing overlapped (give --step-seconds, the seconds of one denoiser "
@@ -231,7 +230,7 @@ def comparison(loaded, request, call, moved: Mapping, optimum, items, denoisers,
     rows["budget_pinned"]["fits"] = rows["budget"]["fits"]
     if "optimum" in rows:
         rows["optimum"]["fits"] = optimum.device_bytes <= room
-    rows["stock"]["fits"] = moved["stock"].peak <= request.vram
+    rows["stock"]["fits"] = moved["stock"].peak + loaded.fixed_bytes <= request.vram
     return rows
 
 

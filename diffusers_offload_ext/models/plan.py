@@ -3,127 +3,60 @@ its real component sizes, what that means per generation and for the card, and t
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
-from ..residency.reserve import reserve_for
 from ..units import format_size
 from .block_compare import block_residency
 from .block_model import BlockPlans
-from .bounds import MAX_GENERATIONS, MAX_STEPS, parse_bytes, parse_count, parse_rate, parse_seconds
-from .errors import PlanError
-from .generations import Generations, replay_generations
+from .generations import Generations, Moved, replay_generations
 from .model import Model, load_model
+from .request import DEFAULT_VRAM, Request, activation_assumption, check_request, complete, rates_note
+from .specs import load_spec
+from .summary import summary
 from .strategies import STRATEGIES, Strategy, all_strategies, largest_offloaded
-
-DEFAULT_VRAM = "24GiB"
-#: Left free for activations when checking what fits (the residency manager's default `memory_reserve`).
-DEFAULT_RESERVE = "3GiB"
-#: Assumed, not measured: pageable host memory over PCIe 4.0 x16 (diffusers' offload copies from pageable memory).
-DEFAULT_BANDWIDTH = "12GB/s"
-#: Assumed, not measured: page-locked host memory over PCIe 4.0 x16 (what `pin_memory=True` and group offloading with
-#: `use_stream=True` copy from; `diffusers-offload doctor` measures it on a CUDA machine).
-DEFAULT_PINNED_BANDWIDTH = "24GB/s"
-BANDWIDTH_NOTE = (
-    "assumed or given, never measured by the planner (defaults: pageable host memory over PCIe 4.0 x16, about 12 GB/s "
-    "each way, and page-locked about 24 GB/s host-to-device); strategy seconds = bytes host-to-device / h2d bandwidth "
-    "+ bytes device-to-host / d2h bandwidth; block_residency prices page-locked copies at the pinned bandwidth"
-)
-
-
-class Request(NamedTuple):
-    """A plan request, checked and bounded."""
-
-    vram: int
-    reserve: int
-    steps: int
-    generations: int
-    preview: bool
-    h2d_rate: int
-    d2h_rate: int
-    pinned_rate: int
-    step_seconds: Optional[float]
-    activations: Optional[int] = None
-    first_reserve: Optional[int] = None
-
-
-def check_request(
-    *,
-    vram,
-    reserve,
-    steps,
-    generations,
-    preview,
-    h2d_bandwidth,
-    d2h_bandwidth,
-    pinned_bandwidth=DEFAULT_PINNED_BANDWIDTH,
-    step_seconds=None,
-    activations=None,
-) -> Request:
-    """Every argument parsed and bounded, before any work (`PlanError` names the first bad one; a reserve that leaves
-    nothing of the card for weights is one). With `activations` (a known size), the reserve is what the runtime
-    leaves for them once it has seen a call of that shape (`policies.reserve.reserve_for`: them and a margin)."""
-    vram_bytes = parse_bytes(vram, argument="--vram")
-    reserve_bytes = first = parse_bytes(reserve, argument="--reserve", allow_zero=True)
-    known = None if activations is None else parse_bytes(activations, argument="--activations")
-    if known is not None:
-        reserve_bytes = reserve_for(known)
-    argument = "--reserve" if known is None else "--activations"
-    if reserve_bytes >= vram_bytes:
-        raise PlanError(
-            f"{argument} {format_size(reserve_bytes)}{' with its margin' if known else ''} leaves nothing of the "
-            f"card's --vram {format_size(vram_bytes)} for weights: nothing fits. Lower {argument} (activations of a "
-            "1024x1024 image take a few GiB) or give the card's real memory with --vram.",
-            argument,
-        )
-    return Request(
-        vram=vram_bytes,
-        reserve=reserve_bytes,
-        steps=parse_count(steps, argument="--steps", maximum=MAX_STEPS),
-        generations=parse_count(generations, argument="--generations", maximum=MAX_GENERATIONS),
-        preview=bool(preview),
-        h2d_rate=parse_rate(h2d_bandwidth, argument="--h2d-bandwidth"),
-        d2h_rate=parse_rate(d2h_bandwidth, argument="--d2h-bandwidth"),
-        pinned_rate=parse_rate(pinned_bandwidth, argument="--pinned-bandwidth"),
-        step_seconds=parse_seconds(step_seconds, argument="--step-seconds"),
-        activations=known,
-        first_reserve=first,
-    )
 
 
 def plan(
     model: str,
     *,
     vram: Union[str, int] = DEFAULT_VRAM,
-    reserve: Union[str, int] = DEFAULT_RESERVE,
-    steps: Union[int, str] = 28,
+    reserve: Optional[Union[str, int]] = None,
+    steps: Optional[Union[int, str]] = None,
     generations: Union[int, str] = 10,
     preview: bool = False,
-    h2d_bandwidth: Union[str, int] = DEFAULT_BANDWIDTH,
-    d2h_bandwidth: Union[str, int] = DEFAULT_BANDWIDTH,
-    pinned_bandwidth: Union[str, int] = DEFAULT_PINNED_BANDWIDTH,
+    h2d_bandwidth: Optional[Union[str, int]] = None,
+    d2h_bandwidth: Optional[Union[str, int]] = None,
+    pinned_bandwidth: Optional[Union[str, int]] = None,
     step_seconds: Optional[Union[float, str]] = None,
     dtypes: Sequence[str] = (),
     components: Sequence[str] = (),
     activations: Optional[Union[str, int]] = None,
+    height: Optional[Union[int, str]] = None,
+    width: Optional[Union[int, str]] = None,
+    frames: Optional[Union[int, str]] = None,
+    profile: Optional[str] = None,
     optimum: bool = False,
 ) -> dict:
     """Predicted transfers of each offload strategy for `model` on a card, and the call to use.
 
     Args:
-        model (`str`): A shipped model name (`diffusers-offload plan --list`) or a spec path.
-        vram (`str` or `int`, defaults to `"24GiB"`): The card's memory.
-        reserve (`str` or `int`, defaults to `"3GiB"`): Memory left for activations when checking what fits: the
-            runtime's `memory_reserve`, what its automatic budget leaves for a call shape it has not seen.
-        steps (`int`, defaults to 28): Denoising steps per generation (1 to `MAX_STEPS`).
+        model (`str`): A shipped model's name or Hugging Face Hub id, in any case (`"flux-dev"`,
+            `"black-forest-labs/FLUX.1-dev"`; `diffusers-offload plan --list`), or a spec path.
+        vram (`str` or `int`, defaults to `"24GiB"`): The card's memory; `"24GB"` is read as 24 GiB, as cards are
+            sold (the result's `vram_note` says so).
+        reserve (`str` or `int`, *optional*): Memory left for activations when checking what fits. Defaults to the
+            activations estimated for the call's size (`models.activations`) with the runtime's margin, or 3 GiB
+            for a model without activation data.
+        steps (`int`, *optional*): Denoising steps per generation (1 to `MAX_STEPS`); defaults to the model's.
         generations (`int`, defaults to 10): Pipeline calls in a row (1 to `MAX_GENERATIONS`); the first
             `REPLAYED_GENERATIONS` are replayed move by move, the rest extrapolated from their period.
         preview (`bool`, defaults to `False`): A step callback decodes a preview with the VAE every step.
-        h2d_bandwidth, d2h_bandwidth (`str` or `int`, defaults to `"12GB/s"`): ASSUMED bandwidths that price the
-            bytes in seconds, host-to-device and device-to-host (pageable host memory).
-        pinned_bandwidth (`str` or `int`, defaults to `"24GB/s"`): ASSUMED host-to-device bandwidth from page-locked
-            memory, for the copies of block residency and group offloading in `block_residency`.
+        h2d_bandwidth, d2h_bandwidth (`str` or `int`, *optional*): Rates that price the bytes in seconds instead of
+            the profile's: host-to-device from pageable memory, device-to-host into new host memory.
+        pinned_bandwidth (`str` or `int`, *optional*): Host-to-device rate from page-locked memory (the defaults on
+            CUDA, block residency's and group offloading's copies) instead of the profile's.
         step_seconds (`float` or `str`, *optional*): Seconds of one denoiser forward on the card without offload;
-            with it `block_residency` models seconds per image, streamed copies hidden behind compute up to it.
+            with it seconds per image add the denoiser's compute, streamed copies hidden behind it up to it.
         dtypes (`Sequence[str]`, *optional*): `COMPONENT=DTYPE` overrides (`denoiser=fp8` for every denoiser).
         components (`Sequence[str]`, *optional*): `NAME=CONFIG.json` / `NAME=CLASS:CONFIG.json` replacements.
         activations (`str` or `int`, *optional*): The activations of the call, when known (measured: the runtime
@@ -132,16 +65,24 @@ def plan(
         optimum (`bool`, defaults to `False`): Also compute the block optimum (`models.block_optimum`: the least bytes
             of any block schedule, exact over each component's blocks kept largest first; seconds of numpy), its row
             in `block_residency` and the budget row's ratio to it (`to_block_optimum`).
+        height, width, frames (`int`, *optional*): The call's size (frames: video models), which sizes the estimated
+            activations; default to the model's.
+        profile (`str`, *optional*): The rate profile that prices seconds: a shipped name
+            (`models.shipped_profiles()`: `"h200"`, the committed GPU runs, the default) or a profile file written by
+            `diffusers-offload doctor --measure`.
 
     Returns:
-        `dict`: JSON-ready, sizes in bytes: the model, card and request, `bandwidth` (assumed rates), `components`
-        (class, dtype, parameters, bytes), `layout`, `chain`, one generation's `call_trace`, and per strategy in
-        `strategies` the call, `setup_bytes` (once, at enable) and fields whose names say whether they include it,
-        seconds at the assumed bandwidths, `peak_bytes` and whether it fits; then `recommended` (or `None`) and
-        `notes` saying why a strategy is not recommended; `block_residency` (`models.block_compare`): when the
-        offloaded components do not fit the budget together, how those larger than it stream, the modelled block
-        optimum across components, and bytes and seconds per generation beside sequential, group and stock offload.
-        The residency manager's row streams as the runtime does (`models.block_model.replay_streaming`).
+        `dict`: JSON-ready, sizes in bytes: the model, card and request (`call`: steps and size), `activations`
+        (estimated, given or assumed), `bandwidth` (the rates and their profile), `components` (class, dtype,
+        parameters, bytes), `layout`, `chain`, one generation's `call_trace`, and per strategy in `strategies` the
+        call, `setup_bytes` (once, at enable) and fields whose names say whether they include it, `seconds` (from
+        pageable memory, copies back) and `seconds_fast_paths` (the defaults on CUDA) at those rates,
+        `peak_bytes` and whether it fits; then `recommended` (or `None`), `notes` saying why a strategy is not
+        recommended and `summary` (the one screen: the call, whether it fits, bytes and seconds per image, the
+        runner-up); `block_residency` (`models.block_compare`): when the offloaded components do not fit the budget
+        together, how those larger than it stream, the modelled block optimum across components, and bytes and
+        seconds per generation beside sequential, group and stock offload. The residency manager's row streams as
+        the runtime does (`models.block_model.replay_streaming`).
 
     Raises:
         `PlanError`: bad input. `MissingPackage`: a component to build on meta needs a missing package.
@@ -157,12 +98,23 @@ def plan(
         pinned_bandwidth=pinned_bandwidth,
         step_seconds=step_seconds,
         activations=activations,
+        height=height,
+        width=width,
+        frames=frames,
+        profile=profile,
     )
-    loaded = load_model(model, dtypes, components)
+    spec = load_spec(model)
+    request = complete(request, spec)
+    loaded = load_model(spec["path"] if not spec["shipped"] else spec["name"], dtypes, components)
+    return _plan(loaded, spec, request, components, optimum)
+
+
+def _plan(loaded: Model, spec: dict, request: Request, components: Sequence[str], optimum: bool = False) -> dict:
     call = loaded.call_trace(request.steps, request.preview)
-    plans = BlockPlans(model, {n: c["dtype"] for n, c in loaded.components.items()}, components)
+    plans = BlockPlans(spec["path"] if not spec["shipped"] else spec["name"], _dtypes(loaded), components)
     entries, moved = {}, {}
-    strategies = all_strategies(loaded.layout, loaded.sizes, loaded.denoisers, request.vram - request.reserve)
+    budget = request.vram - request.reserve
+    strategies = all_strategies(loaded.layout, loaded.sizes, loaded.denoisers, budget, loaded.fixed_bytes)
     for name, strategy in strategies.items():
         moved[name] = replay_generations(
             strategy.policy,
@@ -172,25 +124,44 @@ def plan(
             zero_copy=strategy.zero_copy,
             plans=plans if name == "residency" else None,
         )
-        entries[name] = strategy_entry(strategy, moved[name], request)
-    notes = _unavailable(entries, loaded, request)
+        entries[name] = strategy_entry(strategy, moved[name], request, forwards(loaded, call), loaded.fixed_bytes)
+    notes = _held(loaded) + _unavailable(entries, loaded, request)
     recommended = recommend(entries, loaded, request, notes)
     result = _result(loaded, request, call, entries, recommended, notes)
     budget = strategies["residency"].budget if "residency" in strategies else None
     result["block_residency"] = block_residency(loaded, request, call, plans, moved, budget, optimum)
+    result["summary"] = summary(result)
     return result
 
 
-def strategy_entry(strategy: Strategy, moved: Generations, request: Request) -> dict:
-    """One strategy's JSON entry. Field names say whether they include the setup (moves made once when offload is
-    enabled): add `setup_bytes` and `first_generation_bytes_excluding_setup` for the first generation's start."""
-    g = moved.generations
+def _dtypes(loaded: Model) -> Dict[str, str]:
+    return {n: c["dtype"] for n, c in loaded.components.items()}
 
-    def seconds(m) -> float:
+
+def forwards(loaded: Model, call: Sequence[str]) -> int:
+    """Denoiser forwards in one generation."""
+    return sum(call.count(d) for d in loaded.denoisers)
+
+
+def strategy_entry(strategy: Strategy, moved: Generations, request: Request, forwards: int = 0, held: int = 0) -> dict:
+    """One strategy's JSON entry. Field names say whether they include the setup (moves made once when offload is
+    enabled): add `setup_bytes` and `first_generation_bytes_excluding_setup` for the first generation's start.
+    `seconds_per_image`: the mean copy seconds with the defaults on CUDA (page-locked, unchanged weights dropped;
+    `seconds_per_image_pageable`: from pageable memory, copies back), plus `forwards` denoiser forwards of
+    `--step-seconds` when given (the whole components move between forwards: nothing is hidden). `held`: bytes on the
+    device all the time (components that cannot move), in the peak."""
+    g = moved.generations
+    peak = moved.peak + held
+
+    def pageable(m) -> float:
         return m.h2d / request.h2d_rate + m.d2h / request.d2h_rate
+
+    def fast(m) -> float:  # page-locked host-to-device; evictions dropped (unchanged weights)
+        return m.h2d / request.pinned_rate
 
     all_bytes = moved.setup.nbytes + moved.total.nbytes
     later = (moved.total.nbytes - moved.first.nbytes) / (g - 1) if g > 1 else None
+    compute = forwards * (request.step_seconds or 0.0)
     return {
         "label": strategy.label,
         "call": strategy.call,
@@ -203,17 +174,39 @@ def strategy_entry(strategy: Strategy, moved: Generations, request: Request) -> 
         "h2d_bytes_including_setup": moved.setup.h2d + moved.total.h2d,
         "d2h_bytes_including_setup": moved.setup.d2h + moved.total.d2h,
         "onloads_per_generation": moved.total.onloads / g,
-        "seconds_at_assumed_bandwidth": {
-            "setup": seconds(moved.setup),
-            "first_generation_excluding_setup": seconds(moved.first),
-            "mean_per_generation_including_setup": (seconds(moved.setup) + seconds(moved.total)) / g,
-        },
-        "peak_bytes": moved.peak,
-        "fits_with_reserve": moved.peak + request.reserve <= request.vram,
-        "fits_without_reserve": moved.peak <= request.vram,
+        "seconds": _seconds(moved, pageable),
+        "seconds_fast_paths": _seconds(moved, fast),
+        "seconds_per_image": _seconds(moved, fast)["mean_per_generation_including_setup"] + compute,
+        "seconds_per_image_pageable": _seconds(moved, pageable)["mean_per_generation_including_setup"] + compute,
+        "peak_bytes": peak,
+        "fits_with_reserve": peak + request.reserve <= request.vram,
+        "fits_without_reserve": peak <= request.vram,
         "replay": {"replayed_generations": moved.replayed, "extrapolated": moved.extrapolated, "period": moved.period},
         **({"budget_bytes": strategy.budget} if strategy.budget is not None else {}),
     }
+
+
+def _seconds(moved: Generations, price) -> dict:
+    """The setup, the first generation, the mean of the later ones and the mean per generation (setup included),
+    priced by `price(moves)`."""
+    g = moved.generations
+    rest = Moved(moved.total.h2d - moved.first.h2d, moved.total.d2h - moved.first.d2h).times(1, max(g - 1, 1))
+    return {
+        "setup": price(moved.setup),
+        "first_generation_excluding_setup": price(moved.first),
+        "later_generation_mean": price(rest) if g > 1 else None,
+        "mean_per_generation_including_setup": (price(moved.setup) + price(moved.total)) / g,
+    }
+
+
+def _held(loaded: Model) -> List[str]:
+    """Why the components that cannot move are never moved (and count everywhere)."""
+    return [
+        f"{name} ({loaded.components[name]['dtype']}, {format_size(loaded.components[name]['nbytes'])}) cannot move "
+        "(bitsandbytes 8-bit: `.to()` leaves its row scales behind): every strategy holds it on the card where it is "
+        "loaded (load it there: device_map), counted in every peak and in the memory_budget"
+        for name in loaded.fixed
+    ]
 
 
 def _unavailable(entries: Dict[str, dict], loaded: Model, request: Request) -> List[str]:
@@ -229,7 +222,7 @@ def _unavailable(entries: Dict[str, dict], loaded: Model, request: Request) -> L
         return [f"budget not evaluated: {reason}."]
     largest = largest_offloaded(loaded.layout, loaded.sizes)
     limit = entries["residency"]["budget_bytes"]
-    if largest is None or entries["residency"]["peak_bytes"] <= limit:
+    if largest is None or entries["residency"]["peak_bytes"] - loaded.fixed_bytes <= limit:
         return []
     reason = (
         f"memory_budget {format_size(limit)} (--vram minus --reserve) cannot hold {largest} "
@@ -266,50 +259,35 @@ def _result(loaded: Model, request: Request, call, entries, recommended, notes) 
         "model": loaded.name,
         "title": loaded.title,
         "pipeline": loaded.pipeline,
-        "units": "bytes; bandwidths in bytes per second; seconds priced at the assumed bandwidths",
+        "units": "bytes; bandwidths in bytes per second; seconds priced at the rates of `bandwidth`",
         "vram_bytes": request.vram,
+        "vram_note": request.vram_note,
         "reserve_bytes": request.reserve,
         "activations": activation_assumption(request),
+        "call_shape": {"height": request.height, "width": request.width, "frames": request.frames},
         "steps": request.steps,
         "generations": request.generations,
         "preview": request.preview,
         "bandwidth": {
-            "assumed": True,
+            "assumed": bool(request.given) or not request.profile.measured,
+            "profile": request.profile.name,
+            "profile_device": request.profile.device,
+            "profile_source": request.profile.source,
+            "given": list(request.given),
             "h2d_bytes_per_s": request.h2d_rate,
             "d2h_bytes_per_s": request.d2h_rate,
             "pinned_h2d_bytes_per_s": request.pinned_rate,
-            "note": BANDWIDTH_NOTE,
+            "note": rates_note(request),
         },
         "step_seconds": request.step_seconds,
         "components": loaded.components,
         "layout": loaded.layout.to_dict(),
         "chain": list(loaded.layout.arrange().chain),
+        "denoisers": list(loaded.denoisers),
+        "cannot_move": list(loaded.fixed),
         "call_trace": call,
         "trace_source": f"generated for {request.steps} steps from {loaded.trace_source}",
         "strategies": entries,
         "recommended": recommended,
         "notes": notes,
-    }
-
-
-def activation_assumption(request: Request) -> dict:
-    """What the plan assumes of the activations: `given` (`--activations`) or not, their bytes, the reserve kept free
-    for them, and in words."""
-    if request.activations is None:
-        note = (
-            f"assumed: {format_size(request.reserve)} kept free for activations (--reserve, what the runtime's "
-            "automatic budget leaves for a call shape it has not seen yet; then it learns what the shape needs). "
-            "Pass --activations when they are known"
-        )
-    else:
-        note = (
-            f"given: {format_size(request.activations)} of activations (--activations), and a margin: "
-            f"{format_size(request.reserve)} kept free, as the runtime leaves once it has seen a call of this shape "
-            f"(its first call of a shape leaves --reserve, {format_size(request.first_reserve)})"
-        )
-    return {
-        "given": request.activations is not None,
-        "bytes": request.activations,
-        "reserve_bytes": request.reserve,
-        "note": note,
     }

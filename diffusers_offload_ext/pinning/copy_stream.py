@@ -105,8 +105,8 @@ class CopyStreamTransfer(SyncTransfer):
 
 
 class _Batch:
-    """One block's copies on the copy stream: requested, then issued (`event`), or left to the compute stream
-    (`pageable`: copied blocking when waited on)."""
+    """One block's copies: issued on the copy stream (`event`), or left to the compute stream (`pageable`: copied
+    blocking when waited on)."""
 
     __slots__ = ("pairs", "event", "pageable", "done")
 
@@ -118,11 +118,12 @@ class CudaCopier(Copier):
     """Fills ring buffers on a CUDA copy stream with `non_blocking` copies from page-locked memory, which overlap
     compute. Not run in CI (no GPU): the tests drive it with a fake of `torch.cuda` (`testing/copy_stream.py`).
 
-    A copy asked for in a block's pre-hook is queued only at the block's `mark` (its forward hook), after its kernels:
-    the copy stream then waits for everything queued on the compute stream so far, the readers of the buffer it
-    rewrites and the allocation of a fresh buffer included. A block whose host memory is not page-locked is never
-    copied asynchronously (the host would be held for the whole copy): it is copied blocking on the compute stream
-    when it is waited on.
+    A copy is queued when it is asked for, ordered only after the last reader of the buffer it rewrites: the copy
+    stream waits for the event `after` (recorded on the compute stream when the block that held the buffer left it,
+    or when the ring was allocated), not for everything queued on the compute stream, so the copy of a block two
+    ahead starts as soon as the block before the running one is done. A block whose host memory is not page-locked
+    is never copied asynchronously (the host would be held for the whole copy): it is copied blocking on the compute
+    stream when it is waited on.
     """
 
     asynchronous = True
@@ -130,40 +131,28 @@ class CudaCopier(Copier):
     def __init__(self, stream: "torch.cuda.Stream", device: torch.device, pinning=None) -> None:
         super().__init__(device, pinning)
         self.stream = stream
-        self._requested: List[_Batch] = []
         self._pageable: List[_Batch] = []
 
     def copy(self, pairs, after=None):
         batch = _Batch(pairs)
-        self._requested.append(batch)
+        hosts = [host for _, host in batch.pairs]
+        if not self.locked(hosts):
+            batch.pageable = True
+            self._pageable.append(batch)
+            return batch
+        if after is not None:
+            self.stream.wait_event(after)  # the buffer's last reader (or its allocation) is done first
+        with torch.no_grad(), torch.cuda.stream(self.stream):
+            for view, host in batch.pairs:
+                view.copy_(host, non_blocking=True)
+            batch.event = torch.cuda.Event()
+            batch.event.record(self.stream)
+        self.pinning.fence(hosts, batch.event, self.stream)
         return batch
-
-    def _issue(self, upto: Optional[_Batch] = None) -> None:
-        """Queue the copies asked for (up to `upto` and no further, in order, if given) on the copy stream, after
-        everything queued on the compute stream so far."""
-        if not self._requested:
-            return
-        count = self._requested.index(upto) + 1 if upto is not None else len(self._requested)
-        batches, self._requested = self._requested[:count], self._requested[count:]
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)
-        for batch in batches:
-            if not self.locked([host for _, host in batch.pairs]):
-                batch.pageable = True
-                self._pageable.append(batch)
-                continue
-            with torch.no_grad(), torch.cuda.stream(self.stream):
-                for view, host in batch.pairs:
-                    view.copy_(host, non_blocking=True)
-                batch.event = torch.cuda.Event()
-                batch.event.record(self.stream)
-            self.pinning.fence([host for _, host in batch.pairs], batch.event, self.stream)
 
     def wait(self, token) -> None:
         if token is None or token.done:
             return
-        if token.event is None and not token.pageable:
-            self._issue(upto=token)  # needed now: queued at once (what was asked for later waits for a mark)
         compute = torch.cuda.current_stream(self.device)
         if token.pageable:
             compute.wait_stream(self.stream)  # an earlier copy into the same buffer lands first
@@ -178,11 +167,12 @@ class CudaCopier(Copier):
     def mark(self):
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        self._issue()
         return event
 
-    def drain(self) -> None:
-        self._issue()
+    def end_forward(self) -> None:
         for batch in list(self._pageable):
-            self.wait(batch)  # asked for and counted: made, never skipped
+            self.wait(batch)  # asked for and counted: made, never skipped (blocking, on the compute stream)
+
+    def drain(self) -> None:
+        self.end_forward()
         self.stream.synchronize()

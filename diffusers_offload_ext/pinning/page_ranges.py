@@ -4,7 +4,9 @@ page is ever registered twice and no range is unregistered while another storage
 The driver page-locks whole pages: two storages that share a page (neighbouring tensors of one safetensors mapping,
 small tensors from one allocator arena) cannot both be registered whole (the second registration would be refused as
 "already mapped"). A storage is therefore covered by registrations of the pages no other registration holds, plus
-the registrations that already hold its other pages; each registration keeps the storages that depend on it and is
+the registrations that already hold its other pages. Each registration is page-rounded (its start and end on page
+boundaries: the whole pages the driver locks anyway, all of them mapped since the storage lies in them), so what the
+record holds is exactly what the driver locked, whichever way a driver rounds a range; each registration keeps the storages that depend on it and is
 unregistered only when none is left and every copy recorded as reading it (`fence`) is done (`query()`), polled
 at each later call (`reap`) or waited for (`settle`). Memory page-locked by someone else (`is_pinned()`, e.g.
 `Tensor.pin_memory()`) is recorded as locked and never registered.
@@ -71,9 +73,9 @@ class PageRanges:
         """Whether the storage at `pointer` is page-locked (by this record, or found so)."""
         return pointer in self._locks
 
-    def lock(self, tensor: torch.Tensor, pointer: int, nbytes: int, holder: object) -> int:
-        """Make the storage at `pointer` (`nbytes`, holding `tensor`) page-locked for `holder`; returns the driver's
-        code (0: it is page-locked, with nothing else changed otherwise)."""
+    def lock(self, tensor: torch.Tensor, pointer: int, nbytes: int, holder: object, device=None) -> int:
+        """Make the storage at `pointer` (`nbytes`, holding `tensor`) page-locked for `holder`, registering in
+        `device`'s context; returns the driver's code (0: it is page-locked, with nothing else changed otherwise)."""
         self.reap()
         lock = self._locks.get(pointer)
         if lock is None:
@@ -83,7 +85,7 @@ class PageRanges:
             if tensor.is_pinned() and not self._overlapping(start, start + 1):  # not because of a neighbour of ours
                 lock = _Lock(tensor, nbytes, [])  # page-locked by someone else: used as it is, never registered
             else:
-                code, made = self._cover(tensor, pointer, nbytes, first, end, ours)
+                code, made = self._cover(tensor, first, end, ours, device)
                 if code != 0:
                     return code
                 lock = _Lock(tensor, nbytes, sorted(ours + made, key=lambda r: r.first))
@@ -146,13 +148,12 @@ class PageRanges:
             index += 1
         return found
 
-    def _cover(self, tensor, pointer, nbytes, first, end, ours) -> Tuple[int, List[_Registration]]:
-        """Register the pages of `[pointer, pointer + nbytes)` that `ours` do not hold; on a refusal, undo."""
+    def _cover(self, tensor, first, end, ours, device) -> Tuple[int, List[_Registration]]:
+        """Register the pages `[first, end)` that `ours` do not hold, whole pages each; on a refusal, undo."""
         made: List[_Registration] = []
         for gap_first, gap_end in _gaps(first, end, ours):
-            start = max(pointer, gap_first * PAGE)
-            stop = min(pointer + nbytes, gap_end * PAGE)
-            code = self.locker.register(start, stop - start)
+            start = gap_first * PAGE
+            code = self.locker.register(start, (gap_end - gap_first) * PAGE, device)
             if code != 0:
                 for registration in made:
                     self._unregister(registration)

@@ -28,6 +28,7 @@ from diffusers.utils import logging
 
 from .locking import Locker, cuda_locker
 from .page_ranges import PageRanges, pointer_of
+from .self_check import Verdict, check
 
 logger = logging.get_logger(f"diffusers.{__name__}")
 
@@ -84,20 +85,22 @@ class PinnedStore:
         """Whether `tensor`'s storage is page-locked (a copy from it may be asynchronous)."""
         return self.ranges.holds(pointer_of(tensor))
 
-    def prepare(self, module: torch.nn.Module, name: str = "") -> bool:
-        """Before an onload from the host: count it, and make `module`'s host storages page-locked if the budget
-        allows (storages that stopped being its weights are let go). Returns whether every one of them is."""
+    def prepare(self, module: torch.nn.Module, name: str = "", device: Optional[torch.device] = None) -> bool:
+        """Before an onload from the host to `device`: count it, and make `module`'s host storages page-locked (in
+        `device`'s context) if the budget allows (storages that stopped being its weights are let go). Returns whether
+        every one of them is."""
         key = id(module)
         self._uses[key] = self._uses.get(key, 0) + 1
         if key not in self._finalizers:
-            self._finalizers[key] = weakref.finalize(module, self.release_key, key)
+            finalizer = self._finalizers[key] = weakref.finalize(module, self.release_key, key)
+            finalizer.atexit = False  # at exit the driver lets every registration go: no call into CUDA then
         wanted = self.forget_stale(module)
         pins = self._pins.setdefault(key, {})
         missing = {p: v for p, v in wanted.items() if p not in pins and p is not None}
         needed = sum(n for p, (_, n) in missing.items() if not self.ranges.holds(p))
         if missing and self._make_room(key, needed, name):
             for pointer, (tensor, nbytes) in missing.items():
-                code = self.ranges.lock(tensor, pointer, nbytes, key)
+                code = self.ranges.lock(tensor, pointer, nbytes, key, device)
                 if code != 0:
                     self._say(
                         "refused",
@@ -184,15 +187,39 @@ class PinnedStore:
 #: the simulated accelerator.
 LOCKERS: Dict[str, Callable[[torch.device], Optional[Locker]]] = {"cuda": cuda_locker}
 _STORES: Dict[str, Optional[PinnedStore]] = {}
+#: Each device's self-check (`self_check.py`), by `str(device)`: made once, the first time the device asks.
+_VERDICTS: Dict[str, Verdict] = {}
+
+
+def store_of_type(device_type: str) -> Optional[PinnedStore]:
+    """The process's page-locked store for a device type (made on first use; one record of what is registered for
+    every device of the type: registrations are portable), or `None` where host memory cannot be page-locked."""
+    if device_type not in _STORES and device_type in LOCKERS:
+        locker = LOCKERS[device_type](torch.device(device_type))
+        _STORES[device_type] = PinnedStore(locker) if locker is not None else None  # asked once
+    return _STORES.get(device_type)
 
 
 def store_for(device: torch.device) -> Optional[PinnedStore]:
-    """The process's page-locked store for `device`'s type (made on first use), or `None` where host memory cannot be
-    page-locked for it."""
-    if device.type not in _STORES and device.type in LOCKERS:
-        locker = LOCKERS[device.type](device)
-        _STORES[device.type] = PinnedStore(locker) if locker is not None else None  # asked once
-    return _STORES.get(device.type)
+    """The page-locked store for `device`, or `None` where host memory cannot be page-locked for it or its self-check
+    (`self_check.check`, once per device) failed: then copies stay pageable, and one info line said why."""
+    store = store_of_type(device.type)
+    if store is None:
+        return None
+    key = str(device)
+    if key not in _VERDICTS:
+        from ..transfer import synchronous  # the transfer layer imports this module: read late
+
+        _VERDICTS[key] = check(device, store.ranges.locker, device.type in synchronous.STREAM_DEVICES)
+        if not _VERDICTS[key].ok:
+            logger.info(f"page-locked copies are off on {key}: {_VERDICTS[key].reason}; host copies stay pageable")
+    return store if _VERDICTS[key].ok else None
+
+
+def verdict(device: torch.device) -> Optional[str]:
+    """What `device`'s self-check found, in words (`None` before it ran)."""
+    found = _VERDICTS.get(str(device))
+    return None if found is None else found.reason
 
 
 def existing_store(device: torch.device) -> Optional[PinnedStore]:

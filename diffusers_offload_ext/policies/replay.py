@@ -69,7 +69,8 @@ def replay_trace(
             starts with offload being armed on an all-on-host pipeline, and that arm's moves are counted.
         stream_rooms (`Mapping[str, int]`, *optional*): The fewest bytes each component can stream its blocks in
             (`Facts.stream_rooms`; the runtime measures them with `blocks.streams.stream_room`). A `STREAM` move is
-            modelled as an onload of the whole component, exact for a component that runs once while it streams.
+            modelled as an onload of the whole component, exact for a component that runs once while it streams (a text
+            encoder); a denoiser streamed at every step moves more.
         blocks (`Mapping[str, tuple]`, *optional*): The blocks of each component that can stream (`Facts.blocks`):
             a residency policy then decides block by block (`KEEP` moves), booked as the runtime moves them: each
             newly kept block copied once, each dropped one released, and at every use of a component that keeps

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from ..constants import END
-from .masks import Universe
 from .prediction import chain_after, predict_rest
 
 #: Value tables kept per pipeline (a new configuration starts afresh past this).
@@ -31,8 +30,8 @@ class Forecaster:
     """Forecasts for one universe of offloaded components.
 
     Args:
-        universe (`Universe`, `BlockUniverse` or `None`): The components (or their blocks) as bit masks; `None` when
-            there are too many for exact tables (then only the predicted events are kept).
+        universe (`masks.Universe`, `BlockUniverse` or `None`): The components (or their blocks) as bit masks;
+            `None` when there are too many for exact tables (then only the predicted events are kept).
         keep_between (`bool`): Whether components stay on the device from one call to the next.
         cache (`dict`): Value tables shared by the policies of one pipeline.
         entries (`int`, defaults to `CACHE_ENTRIES`): Most tables kept in `cache` (it starts afresh past this).

@@ -12,17 +12,18 @@ from diffusers.utils import logging
 from ..layout import Arrangement, PipelineLayout, cannot_move, fixed_of, modules_of
 from ..marks import STOCK
 from ..policies import ChainPolicy, Policy
-from ..pinning.prefetch import PrefetchPolicy
+from ..pinning.prefetch import ChainPrefetchPolicy, PrefetchPolicy
 from ..residency.policy import ResidencyPolicy
 from ..transfer import BOOK, ON_DEVICE, make_transfer, memory
 from ..residency.budget import component_limits, resolve_budget
 from .checks import check_pinning, raise_like_stock
 from .combined import layout_of, quiet_sub_pipelines
 from .devices import resolve_device
+from . import fast_paths
 from .hook import attach, ours
 from .options import OffloadOptions, resolve_options
 from .placement import Sizes
-from ..recovery.measuring import expect
+from . import status_text
 from .session import Session, session_of
 
 logger = logging.get_logger(f"diffusers.{__name__}")
@@ -46,6 +47,7 @@ class Arming(NamedTuple):
             reserve, else `memory_reserve` (automatic budget) or 0 (explicit). `limits` (`Tuple[Tuple[str, int],
             ...]`): the most weights while each component whose activations need more runs (`budget.component_limits`).
         shape (`tuple`): The call shape they were chosen for, with what was learnt then (`learnt_version`).
+        fast (`FastPaths`): The fast paths in force on the device, and why (`runtime/fast_paths.py`).
     """
 
     options: OffloadOptions
@@ -61,6 +63,7 @@ class Arming(NamedTuple):
     limits: Tuple[Tuple[str, int], ...] = ()
     shape: tuple = ()
     learnt_version: int = 0
+    fast: fast_paths.FastPaths = fast_paths.NONE
 
 
 def validate(pipe, session: Optional[Session], gpu_id, device, **arguments) -> Arming:
@@ -77,7 +80,8 @@ def validate(pipe, session: Optional[Session], gpu_id, device, **arguments) -> A
     check_pinning(options, exec_device)
     arrangement = layout.arrange(options.exclude_from_offload)
     fixed = tuple(fixed_of(pipe.components))
-    arming = Arming(options, exec_device, index, layout, arrangement, None, False, user_excluded, fixed)
+    fast = fast_paths.resolve(options, exec_device)
+    arming = Arming(options, exec_device, index, layout, arrangement, None, False, user_excluded, fixed, fast=fast)
     if options.residency:
         arming = _budget(pipe, session, arming)
     return arming
@@ -136,12 +140,9 @@ def arm(pipe, arming: Arming) -> Session:
             "`keep_on_device_between_generations=True`): the manager evicts only to make room. It stays in force "
             "for when the manager is off; pass `keep_on_device_during_generation=False` to drop it."
         )
-    if arming.options.auto_pins and not session.options.auto_pins:
-        logger.info(
-            '`prefetch=True` page-locks the host copies where the device supports it (`pin_memory="auto"`): only '
-            "page-locked memory can be copied while compute runs. Pass `pin_memory=True` to require it."
-        )
+    _tell_fast_paths(arming, session)
     quiet_sub_pipelines(pipe)
+    before = (session.active, session.arming)
     STOCK["remove_all_hooks"](pipe)
     session.exclusion.restore(pipe)
     modules = modules_of(pipe.components, movable=False)
@@ -150,7 +151,19 @@ def arm(pipe, arming: Arming) -> Session:
     pipe._offload_gpu_id, pipe._offload_device = arming.index, arming.device
     session.exclusion.apply(pipe, arming.user_excluded, arming.arrangement.excluded)
     session.armed(attach(pipe, session))
+    if before != (True, arming):  # a new arming, not the same again
+        logger.info(status_text.arming_line(arming, dict(session.facts.sizes), session.placement.fixed_sizes()))
     return session
+
+
+def _tell_fast_paths(arming: Arming, session: Session) -> None:
+    """One warning when an explicit `pin_memory=True` could not be had (the device's self-check failed); one debug line
+    of what is on when it changed."""
+    fast, before = arming.fast, session.arming.fast if session.arming is not None else None
+    if arming.options.pin_memory is True and not fast.page_locked and (before is None or before.page_locked):
+        logger.warning(f"`pin_memory=True`: {fast.why['pin_memory']}.")
+    if before is None or before[:4] != fast[:4]:
+        logger.debug(f"fast paths on {arming.device}: " + "; ".join(f"{k}: {v}" for k, v in fast.why.items()))
 
 
 def _tell_fixed(pipe, arming: Arming, session: Session) -> None:
@@ -172,11 +185,15 @@ def policy_for(session: Session, arming: Arming) -> Tuple[Policy, Optional[Any]]
     """`(policy, capacity)` for `session` under `arming`: stock's chain with the two options, or the residency manager
     (the one in force is kept while its configuration is the same: its plans span calls)."""
     options, arrangement, layout = arming.options, arming.arrangement, arming.layout
+    prefetches = arming.fast.prefetch and session.transfer.asynchronous
     if not options.residency:
         keep = True if options.keep_all else options.keep
-        return ChainPolicy.for_layout(layout, excluded=arrangement.excluded, keep=keep), None
+        if not prefetches:
+            return ChainPolicy.for_layout(layout, excluded=arrangement.excluded, keep=keep), None
+        chain = ChainPrefetchPolicy.for_layout(layout, excluded=arrangement.excluded, keep=keep)
+        return chain, memory.capacity(arming.device, options.memory_reserve)
     capacity = memory.capacity(arming.device, arming.reserve)
-    kind = PrefetchPolicy if options.prefetches and session.transfer.asynchronous else ResidencyPolicy
+    kind = PrefetchPolicy if prefetches else ResidencyPolicy
     policy = kind(
         order=layout.order,
         chain=arrangement.chain,
@@ -188,7 +205,7 @@ def policy_for(session: Session, arming: Arming) -> Tuple[Policy, Optional[Any]]
         keep_between=options.keep_between,
         calls=session.calls,
         cache=session.forecasts,
-        zero_copy=options.drops,
+        zero_copy=arming.fast.drops,
         dynamic_capacity=capacity is not None,
         limits=dict(arming.limits),
     )
@@ -251,7 +268,7 @@ def refresh_budget(session: Session) -> None:
 def before_call(session: Session, shape) -> None:
     """A call of `shape` is about to begin: the budget is chosen again when the shape, or what was learnt, is not
     what it was chosen for."""
-    expect(session, shape)
+    session.expect(shape)
     arming = session.arming
     if session.active and not session.calls.in_call and arming is not None and arming.options.residency:
         learnt = (session.activations.shape, session.activations.version)

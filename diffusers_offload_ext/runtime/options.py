@@ -111,44 +111,51 @@ OPTIONS: Tuple[Option, ...] = (
             evicts them explicitly.""",
     ),
     Option(
-        "zero_copy_eviction", Optional[bool], "`bool`", "not set: on with the residency manager only", check.flag,
-        check.replace,
+        "zero_copy_eviction", Optional[bool], "`bool`",
+        "not set: on on an accelerator; on the plain CPU with the residency manager only",
+        check.flag, check.replace,
         field="zero_copy",
         values="`bool`",
-        summary="Evictions of unchanged components drop the device copy instead of copying back.",
+        summary="Evictions of unchanged components drop the device copy instead of copying back. Not set: on on an "
+        "accelerator (every mode); on the plain CPU with the residency manager only.",
         doc="""Keep the host copy of each component's weights while it is on the device, so that an eviction only drops
             the device copy (no device-to-host copy; host memory stays at stock's peak, all weights on the host). A
             change made while on the device (in-place edits, replaced tensors, LoRA fusing) is detected and copied
-            back. Not set: on with the residency manager, off otherwise. `True`: in every mode, the defaults and
-            `exclude_from_offload`/`keep_on_device_during_generation` included (which component moves when does not
-            change; opt-in until measured on a GPU). `False`: every eviction copies, like stock.""",
+            back. Which component moves when never changes, only how. Not set: on wherever the execution device's
+            memory is not the host's (CUDA, XPU, MPS; every mode, the defaults included); on the plain CPU with the
+            residency manager only. `True`: in every mode on any device. `False`: every eviction copies, like stock.""",
     ),
     Option(
-        "pin_memory", Union[bool, str, None], '`bool` or `"auto"`', 'not set: `"auto"` with `prefetch`, else off',
-        check.bool_or_auto, check.replace,
+        "pin_memory", Union[bool, str, None], '`bool` or `"auto"`',
+        'not set: `"auto"` on an accelerator, off on the plain CPU', check.bool_or_auto, check.replace,
         field="pin_memory",
         values='`bool` or `"auto"`',
-        summary='Page-lock the host copies in place. `"auto"`: where the device supports it (CUDA); `True` raises '
-        "elsewhere.",
+        summary='Page-lock the host copies in place. `"auto"` (the default on an accelerator): where the device '
+        "supports it (CUDA) and its self-check passed; `True` raises elsewhere.",
         doc="""Page-lock the host copies of offloaded components in place (no second copy, exact size, within a host
             budget of half the host's memory, a quarter on Windows; spent first on the components that move most),
-            so that onloads copy at page-locked speed. `"auto"`: where the device supports it (CUDA); `True`: raise
-            where it does not. The host copies are kept while components are on the device, and an eviction that
-            must copy writes into them. Not set: `"auto"` while `prefetch` acts (one info line says so), off
-            otherwise. Opt-in until measured on a GPU.""",
+            so that onloads copy at page-locked speed without a host wait per tensor. `"auto"`: where the device
+            supports it (CUDA), once a self-check on the device (a small buffer page-locked, copied there and back,
+            compared) passed; otherwise the copies stay pageable (one info line says why). `True`: raise where the
+            device type cannot page-lock. The host copies are kept while components are on the device, and an
+            eviction that must copy writes into them. Not set: `"auto"` on an accelerator (or with
+            `prefetch=True`), off on the plain CPU. `False`: pageable copies, like stock.""",
     ),
     Option(
-        "prefetch", Optional[bool], "`bool`", "`False`", check.flag, check.prefetch_merge,
+        "prefetch", Optional[bool], "`bool`", "not set: on where host copies are page-locked and copy streams exist",
+        check.flag, check.prefetch_merge,
         field="prefetch",
         values="`bool`",
-        summary="With the manager on: the next predicted component's onload starts while the current one runs, on a "
-        'CUDA copy stream, from page-locked memory (`pin_memory` not set: `"auto"`; `False` raises).',
-        doc="""With the residency manager: while a component runs, start the onload of the one the previous call ran
-            next, on a CUDA copy stream, when the budget has room for both (counted from that moment); the compute
-            stream waits for it before that component runs. Only page-locked host memory can be copied while compute
-            runs: with `pin_memory` not set it is `"auto"` (one info line says so), and `pin_memory=False` raises a
-            `ValueError`. Elsewhere onloads stay as they are. While the manager is off it has no effect and stays
-            set: it acts again when the manager is on. Opt-in until measured on a GPU.""",
+        summary="The next component's onload (the manager's prediction, or the next in the chain) starts on a copy "
+        "stream while the current one runs, from page-locked memory. Not set: on where both exist (CUDA).",
+        doc="""While a component runs, start the onload of the next one on a copy stream (CUDA), from page-locked host
+            memory; the compute stream waits for it before that component runs. With the residency manager, the
+            next is the one the previous call ran next, when the budget has room for both; in the chain modes (the
+            defaults, `exclude_from_offload`, `keep_on_device_during_generation`), the next component of the chain,
+            when the device's free memory holds it beside everything there (never ahead where that would not fit).
+            Which component is where when it runs does not change. Not set: on wherever host copies are page-locked
+            and the device has copy streams. `True` with `pin_memory=False` raises a `ValueError`; on a device
+            without copy streams it has no effect. `False`: onloads are made when the component runs.""",
     ),
 )  # fmt: skip
 #: The option names, in the signature's order.
@@ -167,11 +174,13 @@ class OffloadOptions:
         memory_budget (`int`, *optional*): Explicit `memory_budget` in bytes; `None`: the automatic one.
         memory_reserve (`int`, defaults to 3 GiB): `memory_reserve` in bytes.
         keep_between (`bool`, defaults to `False`): `keep_on_device_between_generations`.
-        zero_copy (`bool`, *optional*): `zero_copy_eviction`; `None` (not set): on with the residency manager only.
-        pin_memory (`bool` or `"auto"`, *optional*): `pin_memory`; `None` (not set): `"auto"` while `prefetch` acts
-            (`pins`).
-        prefetch (`bool`, defaults to `False`): `prefetch`; set while the manager is off, it acts again when the
-            manager is on (`prefetches`).
+        zero_copy (`bool`, *optional*): `zero_copy_eviction`; `None` (not set): on on an accelerator, on the plain CPU
+            with the residency manager only (`runtime/fast_paths.py`).
+        pin_memory (`bool` or `"auto"`, *optional*): `pin_memory`; `None` (not set): `"auto"` on an accelerator.
+        prefetch (`bool`, *optional*): `prefetch`; `None` (not set): on where host copies are page-locked and the
+            device has copy streams.
+
+    What is on for a pipeline's device is `FastPaths` (`runtime/fast_paths.py`, `doe.offload_status(pipe).fast_paths`).
     """
 
     exclude_from_offload: Tuple[str, ...] = ()
@@ -182,37 +191,16 @@ class OffloadOptions:
     keep_between: bool = False
     zero_copy: Optional[bool] = None
     pin_memory: Union[bool, str, None] = None
-    prefetch: bool = False
+    prefetch: Optional[bool] = None
+
+    def without_exclusion(self) -> "OffloadOptions":
+        """These options, `exclude_from_offload` reset (`remove_all_hooks()` drops it, as stock drops its list)."""
+        return dataclasses.replace(self, exclude_from_offload=())
 
     @property
     def residency(self) -> bool:
         """Whether the residency manager is on: a `memory_budget` was set or `keep_on_device_between_generations`."""
         return self.memory_budget is not None or self.keep_between
-
-    @property
-    def drops(self) -> bool:
-        """Whether an eviction of an unchanged component only drops its device copy: with `zero_copy_eviction=True` in
-        every mode; when it was never set, with the residency manager only."""
-        return self.residency if self.zero_copy is None else self.zero_copy
-
-    @property
-    def prefetches(self) -> bool:
-        """Whether `prefetch` acts: it is set and the residency manager is on (it stays set while the manager is
-        off)."""
-        return self.prefetch and self.residency
-
-    @property
-    def pins(self) -> Union[bool, str]:
-        """Whether host copies are page-locked: `pin_memory` as given; not set, `"auto"` while `prefetch` acts (only
-        page-locked memory can be copied while compute runs), else `False`."""
-        if self.pin_memory is not None:
-            return self.pin_memory
-        return check.AUTO if self.prefetches else False
-
-    @property
-    def auto_pins(self) -> bool:
-        """`pin_memory` is not set and `prefetch` turns it to `"auto"`."""
-        return self.pin_memory is None and self.prefetches
 
     @property
     def keeps_nothing(self) -> bool:
@@ -235,7 +223,7 @@ def resolve_options(previous: OffloadOptions, components: Mapping[str, Any], **a
     Raises:
         `TypeError`: an argument of the wrong type.
         `ValueError`: a name that is not a component, or whose component is not a `torch.nn.Module`; a size that does
-            not parse, is negative or is a bool; an option that needs the residency manager without it.
+            not parse, is negative or is a bool; `prefetch=True` with `pin_memory=False`.
     """
     values = {}
     for option in OPTIONS:

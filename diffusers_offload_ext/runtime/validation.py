@@ -105,6 +105,9 @@ def size_or_auto(argument: str, value: Any, components=None) -> Optional[int]:
 
 
 def reserve(argument: str, value: Any, components=None) -> int:
+    """`size`; a text without a unit under 1 MiB (`memory_reserve="3"`) is refused as a unit left out, as for
+    `memory_budget`."""
+    check_unit(value, argument, texts_only=True)
     return size(argument, value, components, example="3GiB")
 
 
@@ -158,32 +161,17 @@ def all_or_present_names(option, previous, value: Any, components: Mapping[str, 
     return {"keep_all": False, option.field: value}
 
 
-def with_residency(option, previous, value: Any, components, fields: dict) -> dict:
-    """An option that needs the residency manager (merged after `memory_budget` and
-    `keep_on_device_between_generations`): `True` without the manager is refused; set before, it stays set while
-    the manager is switched off (without effect then) and acts again when it is on (`OffloadOptions.prefetches`)."""
-    residency = fields["memory_budget"] is not None or fields["keep_between"]
-    if value is KEEP:
-        return {option.field: getattr(previous, option.field)}
-    if value and not residency:
-        raise ValueError(
-            f"`{option.name}=True` needs the residency manager, which predicts the next component from the previous "
-            "call: also pass `memory_budget=...` or `keep_on_device_between_generations=True`."
-        )
-    return {option.field: value}
-
-
 def prefetch_merge(option, previous, value: Any, components, fields: dict) -> dict:
-    """`with_residency`, and (merged after `pin_memory`) refused where it would act with `pin_memory=False` in force:
-    only page-locked host memory can be copied while compute runs, so nothing could be prefetched."""
-    merged = with_residency(option, previous, value, components, fields)
-    residency = fields["memory_budget"] is not None or fields["keep_between"]
-    if merged[option.field] and residency and fields["pin_memory"] is False:
+    """The value given, or the one in force; refused (merged after `pin_memory`) where it is `True` with
+    `pin_memory=False` in force: only page-locked host memory can be copied while compute runs, so nothing could be
+    prefetched. (Not set, it is on wherever page-locking is: `runtime/fast_paths.py`.)"""
+    merged = replace(option, previous, value, components, fields)
+    if merged[option.field] is True and fields["pin_memory"] is False:
         given = "" if value is KEEP else f"`{option.name}={value!r}` "
         raise ValueError(
             f"{given or f'`{option.name}=True` (set before) '}copies only from page-locked host memory, and "
             "`pin_memory=False` is in force: nothing could be prefetched. Leave `pin_memory` unset or pass "
             '`pin_memory="auto"` (page-lock where the device supports it) or `pin_memory=True`; or pass '
-            f"`{option.name}=False`."
+            f"`{option.name}=False` (or leave it unset: it is then on only where host copies are page-locked)."
         )
     return merged

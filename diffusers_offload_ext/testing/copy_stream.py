@@ -1,5 +1,5 @@
 """`fake_cuda`: a stand-in for `torch.cuda`'s streams and events on the simulated accelerator (`cpu:0`), so that the
-transfer's own CUDA code (`transfer/copy_stream.py`, `transfer/ring.py`, `transfer/synchronous.py`) runs in the tests,
+transfer's own CUDA code (`pinning/copy_stream.py`, `transfer/copier.py`, `transfer/synchronous.py`) runs in the tests,
 with the semantics it depends on modelled adversarially:
 
 - **in flight until waited on**: a non-blocking copy from page-locked memory on a side stream lands when the compute
@@ -13,8 +13,9 @@ with the semantics it depends on modelled adversarially:
 - **pageable copies hold the host**: a non-blocking copy from memory that is not page-locked (as
   `testing/page_locking.py`'s fake says; all memory is pageable without it) runs at once, counted in `host_waits` and
   `pageable_async`; so does every blocking copy between host and device, on any stream (`host_waits`);
-- **stream order**: the compute stream runs eagerly; each of its operations is numbered, and every device storage it
-  touches (allocates, reads or writes) remembers the last number. A copy queued on a side stream into a storage the
+- **stream order**: the compute stream runs eagerly; each of its operations that runs a kernel is numbered (a view,
+  or a question about a tensor's shape or pointer, runs none), and every device storage it touches (allocates, reads
+  or writes) remembers the last number. A copy queued on a side stream into a storage the
   compute stream touched after the last point the side stream waited for (`wait_event`, `wait_stream`) may land
   before that use on a GPU: it raises `StreamOrderError`;
 - **per-stream pools**: memory allocated while a side stream is current is recorded (`side_allocations`): the
@@ -103,6 +104,8 @@ class FakeStream:
     def synchronize(self) -> None:
         if self.compute:
             self.cuda.host_sync()
+        else:
+            self.cuda.side_syncs += 1
         self.land()
 
     def query(self) -> bool:
@@ -152,11 +155,14 @@ class FakeCuda(TorchFunctionMode):
         pageable_async (`int`): Of those, the ones asked to be non-blocking (from pageable memory).
         side_allocations (`Dict[int, torch.Tensor]`): Device storages allocated while a side stream was current.
         issued (`List[int]`): The compute operation number at which each side-stream copy was queued.
+        ordered (`List[int]`): For each of them, the compute operation its stream had last waited for: what the copy is
+            ordered after (everything queued on the compute stream when it equals `issued`).
         landed (`List[Tuple[int, int, int]]`): `(queued at, landed at, clock when queued)` of each landed copy: compute
             operation numbers, and the `clock` (every call the fake sees ticks it).
         waits (`List[str]`): What held the host, one entry per copy counted in `host_waits`.
         host_syncs (`int`): Times the host waited for the compute stream's work (an event's, the stream's or the
             device's `synchronize`).
+        side_syncs (`int`): Times the host waited for a side stream (its `synchronize`).
         transfers (`list`): The `CopyStreamTransfer`s made for `prefetch=True`.
     """
 
@@ -174,10 +180,12 @@ class FakeCuda(TorchFunctionMode):
         self.host_waits = self.pageable_async = 0
         self.side_allocations: Dict[int, torch.Tensor] = {}
         self.issued: List[int] = []
+        self.ordered: List[int] = []
         self.landed: List[Tuple[int, int, int]] = []
         self.waits: List[str] = []
         self.transfers: list = []
         self.host_syncs = 0
+        self.side_syncs = 0
         self._homing: List[Tuple[torch.Tensor, torch.Tensor, int]] = []  # write-backs not yet waited for by the host
 
     # -- torch.cuda -------------------------------------------------------------------------------------------------
@@ -242,6 +250,8 @@ class FakeCuda(TorchFunctionMode):
         inputs = [*args, *kwargs.values()]
         inputs += [t for a in inputs if isinstance(a, (list, tuple)) for t in a]
         outputs = list(result) if isinstance(result, (list, tuple)) else [result]
+        if self._metadata(inputs, outputs):
+            return  # no kernel: a view, or a question about a tensor (its shape, its data pointer)
         if self.current.compute:
             used = self._on_device(inputs + outputs)
             if used:  # an operation on the device
@@ -253,6 +263,16 @@ class FakeCuda(TorchFunctionMode):
             for tensor in self._on_device(outputs):
                 if self._ptr(tensor) not in known:  # new memory, not a view
                     self.side_allocations[self._ptr(tensor)] = tensor  # kept alive: its address stays its own
+
+    def _metadata(self, inputs, outputs) -> bool:
+        """Whether an operation runs no kernel: it returns no tensor, or only new views of its inputs' storages."""
+        produced = [t for t in outputs if isinstance(t, _Tensor)]
+        if not produced:
+            return True
+        given = [t for t in inputs if isinstance(t, _Tensor)]
+        storages = {self._ptr(t) for t in given}
+        # (a dtype view, `view(torch.float32)`, is not flagged `_is_view()`: a new object sharing an input's storage)
+        return all(all(t is not g for g in given) and self._ptr(t) in storages for t in produced)
 
     def _show(self, stream: FakeStream, visible: bool) -> None:
         with torch._C.DisableTorchFunction():
@@ -328,6 +348,7 @@ class FakeCuda(TorchFunctionMode):
         stream.queued.append(_Copy(dst, value, pages, self.number, self.clock))
         stream.issued += 1
         self.issued.append(self.number)
+        self.ordered.append(stream.waited)
         return result
 
     def torn(self, pages: set) -> None:

@@ -12,7 +12,11 @@ It models what the first GPU run measured (`docs/benchmarks-gpu.md`) and what th
   leaves nothing behind;
 - `Tensor.is_pinned()` is true where the tensor's first byte lies in a locked page;
 - a copy still reading memory that gets unregistered is recorded (`torn`): the streams fake
-  (`testing/copy_stream.py`) makes such a copy deliver NaN.
+  (`testing/copy_stream.py`) makes such a copy deliver NaN;
+- the driver's contexts: `cuDevicePrimaryCtxRetain` gives device `d` the context `CONTEXT + d`, pushed and popped
+  around calls; each registration records its flags and the context current when it was made (`registrations`);
+- `corrupt=True`: a driver whose page-locked copies deliver wrong bytes (every copy to the device from page-locked
+  memory arrives changed), for the self-check (`pinning/self_check.py`).
 """
 
 from __future__ import annotations
@@ -23,10 +27,13 @@ import mmap
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ..pinning import locking, store as pinned
 
 PAGE = 4096
+#: The fake context of device `d` is `CONTEXT + d`.
+CONTEXT = 1000
 #: CUDA's codes (the driver's and the runtime's agree on these).
 INVALID_VALUE, OUT_OF_MEMORY, ALREADY_REGISTERED, NOT_REGISTERED = 1, 2, 712, 713
 MESSAGES = {
@@ -48,8 +55,11 @@ class FakeHostMemory:
         poisoned (`List[str]`): The errors kernels raised.
     """
 
-    def __init__(self, refuse: Optional[int] = None, limit: Optional[int] = None) -> None:
-        self.refuse, self.limit = refuse, limit
+    def __init__(self, refuse: Optional[int] = None, limit: Optional[int] = None, corrupt: bool = False) -> None:
+        self.refuse, self.limit, self.corrupt = refuse, limit, corrupt
+        #: `(pointer, nbytes, flags, context)` of every registration the driver accepted, in order.
+        self.registrations: List[Tuple[int, int, int, Optional[int]]] = []
+        self.contexts: List[int] = []  # the driver's stack of current contexts
         self.registered: Dict[int, int] = {}
         self._pages: Dict[int, int] = {}  # page -> start of the registration holding it
         self._allocated: Set[int] = set()  # pages of memory from `pin_memory()`
@@ -59,9 +69,13 @@ class FakeHostMemory:
         self.poisoned: List[str] = []
         self.readers: List[object] = []  # objects with `torn(pages)`: copies in flight (the streams fake)
         self.driver = _Library(
-            cuMemHostRegister_v2=lambda p, n, flags: self._register("driver", p, n),
+            cuMemHostRegister_v2=lambda p, n, flags: self._register("driver", p, n, flags),
             cuMemHostUnregister=lambda p: self._unregister("driver", p),
-            cuCtxGetCurrent=_current_context,
+            cuInit=lambda flags: 0,
+            cuDeviceGet=lambda handle, ordinal: _set(handle, ordinal),
+            cuDevicePrimaryCtxRetain=lambda context, handle: _set(context, CONTEXT + handle),
+            cuCtxPushCurrent_v2=lambda context: self.contexts.append(context) or 0,
+            cuCtxPopCurrent_v2=lambda context: _set(context, self.contexts.pop() if self.contexts else 0),
         )
         self.runtime = _Runtime(self)
         self.runtime_library = _Library(cudaGetLastError=self._get_last_error, cudaPeekAtLastError=self._peek)
@@ -71,7 +85,7 @@ class FakeHostMemory:
     def pages(pointer: int, nbytes: int) -> range:
         return range(pointer // PAGE, -(-(pointer + max(nbytes, 1)) // PAGE))
 
-    def _register(self, api: str, pointer: int, nbytes: int) -> int:
+    def _register(self, api: str, pointer: int, nbytes: int, flags: int = 0) -> int:
         self.calls.append((api, "register", pointer))
         code = self._refusal(self.pages(pointer, nbytes))
         if code:
@@ -79,6 +93,8 @@ class FakeHostMemory:
             return code
         pages = self.pages(pointer, nbytes)
         self.registered[pointer] = nbytes
+        context = self.contexts[-1] if api == "driver" and self.contexts else None
+        self.registrations.append((pointer, nbytes, flags, context))
         for page in pages:
             self._pages[page] = pointer
         return 0
@@ -157,9 +173,29 @@ class _Function:
         return self.function(*[getattr(a, "value", a) if isinstance(a, ctypes.c_void_p) else a for a in args])
 
 
-def _current_context(pointer) -> int:
-    pointer._obj.value = 1  # a context is current (PyTorch made it so)
+def _set(reference, value: int) -> int:
+    """Write `value` through a `ctypes.byref` argument, as the driver writes its out-parameters; returns 0."""
+    reference._obj.value = value
     return 0
+
+
+class _Corrupting(TorchFunctionMode):
+    """Every copy to the device from page-locked host memory arrives changed (`FakeHostMemory(corrupt=True)`)."""
+
+    def __init__(self, memory: FakeHostMemory) -> None:
+        super().__init__()
+        self.memory = memory
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.copy_ and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            dst, src = args[0], args[1]
+            nbytes = src.numel() * src.element_size()
+            if src.device.type == "cpu" and nbytes and self.memory.locked(src.data_ptr(), nbytes):
+                with torch._C.DisableTorchFunction():
+                    if dst.dtype != torch.bool:
+                        dst.add_(1)
+        return result
 
 
 class _Runtime:
@@ -174,7 +210,7 @@ class _Runtime:
         return code
 
     def cudaHostRegister(self, pointer: int, nbytes: int, flags: int) -> int:
-        return self._sticky(self.memory._register("runtime", pointer, nbytes))
+        return self._sticky(self.memory._register("runtime", pointer, nbytes, flags))
 
     def cudaHostUnregister(self, pointer: int) -> int:
         return self._sticky(self.memory._unregister("runtime", pointer))
@@ -190,14 +226,21 @@ def active() -> Optional[FakeHostMemory]:
 
 @contextlib.contextmanager
 def fake_page_locking(
-    budget: Optional[int] = None, refuse: Optional[int] = None, api: str = "driver", limit: Optional[int] = None
+    budget: Optional[int] = None,
+    refuse: Optional[int] = None,
+    api: str = "driver",
+    limit: Optional[int] = None,
+    corrupt: bool = False,
 ) -> Iterator[Tuple[FakeHostMemory, "pinned.PinnedStore"]]:
     """Within the block, host memory can be "page-locked" for devices of type `cpu` (the simulated accelerator)
     through the same lockers as for CUDA, over a `FakeHostMemory`: `api="driver"` offers the driver library,
     `api="runtime"` only PyTorch's runtime (and its loaded library). Yields the fake and the store, whose budget is
-    `budget` if given; every registration is refused with code `refuse` if given."""
-    memory = FakeHostMemory(refuse, limit)
+    `budget` if given; every registration is refused with code `refuse` if given; with `corrupt`, page-locked copies
+    to the device deliver wrong bytes. Each device's self-check runs afresh inside the block."""
+    memory = FakeHostMemory(refuse, limit, corrupt)
     saved = (dict(pinned.LOCKERS), dict(pinned._STORES), locking.load_library, locking.loaded_path)
+    saved_verdicts = dict(pinned._VERDICTS)
+    pinned._VERDICTS.clear()
     saved_cudart, saved_is_pinned = torch.cuda.cudart, torch.Tensor.__dict__.get("is_pinned")
     libraries = {RUNTIME_PATH: memory.runtime_library}
     if api == "driver":
@@ -211,12 +254,19 @@ def fake_page_locking(
     pinned._STORES.pop("cpu", None)
     kernels = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: memory.kernel())
     _ACTIVE.append(memory)
+    corrupting = _Corrupting(memory) if corrupt else None
     try:
-        store = pinned.store_for(torch.device("cpu"))
+        if corrupting is not None:
+            corrupting.__enter__()
+        store = pinned.store_of_type("cpu")
         if budget is not None:
             store.budget = budget
         yield memory, store
     finally:
+        if corrupting is not None:
+            corrupting.__exit__(None, None, None)
+        pinned._VERDICTS.clear()
+        pinned._VERDICTS.update(saved_verdicts)
         _ACTIVE.remove(memory)
         kernels.remove()
         pinned.LOCKERS.clear()

@@ -83,5 +83,9 @@ class Copier:
         """A token for the compute work queued so far."""
         return None
 
+    def end_forward(self) -> None:
+        """A forward of the streaming component ended: every copy asked for is made (no host wait)."""
+
     def drain(self) -> None:
-        """Wait for every copy (before the buffers are let go)."""
+        """Wait for every copy (before the buffers are let go, and where code that may write the host tensors runs
+        next: the host waits)."""

@@ -6,7 +6,12 @@ a subset of them to what the code under test records now. The script only uses `
 `uninstall`, `transfer_ledger`, `module_nbytes`, the documented `enable_model_cpu_offload` options and the tiny
 pipelines of the test suite, so it runs unchanged against any version of the package.
 
-    PYTHONPATH=. python tests/tools/record_ledgers.py [--output PATH] [--pipelines flux,sdxl]
+    PYTHONPATH=. python tests/tools/record_ledgers.py [--device plain|simulated|both] [--pipelines flux,sdxl]
+
+Each execution device has its own file, because the fast paths differ by device: `ledgers-baseline.json` is the plain
+CPU's (`cpu:0` is host memory: the plain paths, every eviction a copy), `ledgers-baseline-simulated.json` the
+simulated accelerator's (`diffusers_offload_ext/testing/simulated_accelerator.py`: device memory distinct from the
+host's, so unchanged components are dropped by default instead of copied back).
 
 Each entry, keyed `"{pipeline}/{scenario}/{option}"`, holds:
 
@@ -34,7 +39,10 @@ import time
 
 TESTS = pathlib.Path(__file__).resolve().parent.parent
 ROOT = TESTS.parent
-DEFAULT_OUTPUT = TESTS / "data" / "ledgers-baseline.json"
+DATA = TESTS / "data"
+DEFAULT_OUTPUT = DATA / "ledgers-baseline.json"
+#: The execution devices a baseline is recorded on, and the file of each (`baseline_file`).
+DEVICES = ("plain", "simulated")
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
@@ -186,19 +194,45 @@ def header() -> dict:
     }
 
 
-def record_all(names=None, progress=None) -> dict:
+def baseline_file(device: str = "plain", diffusers_version: str = None):
+    """The baseline file of `device` (`"plain"` or `"simulated"`); with `diffusers_version`, that version's own file
+    if there is one (recorded when a diffusers version records different ledgers for a real reason)."""
+    if device not in DEVICES:
+        raise ValueError(f"`device` must be one of {DEVICES!r}, got {device!r}.")
+    stem = "ledgers-baseline" + ("" if device == "plain" else f"-{device}")
+    if diffusers_version is not None:
+        specific = DATA / f"{stem}-diffusers-{diffusers_version}.json"
+        if specific.exists():
+            return specific
+    return DATA / f"{stem}.json"
+
+
+def _on(device: str):
+    """The context the ledgers of `device` are recorded in: nothing for the plain CPU, the simulated accelerator."""
+    import contextlib
+
+    if device == "plain":
+        return contextlib.nullcontext()
+    from diffusers_offload_ext.testing.simulated_accelerator import SimulatedAccelerator
+
+    return SimulatedAccelerator()
+
+
+def record_all(names=None, progress=None, device: str = "plain") -> dict:
     """`{"header": ..., "{pipeline}/{scenario}/{option}": entry, ...}` for every available pipeline in `names`
-    (default: all of `tiny.PIPELINES`). Uninstalls the extension at the end."""
+    (default: all of `tiny.PIPELINES`) on `device` (`"plain"`: the plain CPU; `"simulated"`: the simulated
+    accelerator). Uninstalls the extension at the end."""
 
     import diffusers_offload_ext as doe
 
-    data = {"header": header()}
+    data = {"header": {**header(), "device": device}}
     doe.install()
     try:
         for name, scenario, option in all_keys(names):
             if not tiny.available(name)[0]:
                 continue
-            data[key(name, scenario, option)] = record(name, scenario, option)
+            with _on(device):
+                data[key(name, scenario, option)] = record(name, scenario, option)
             if progress is not None:
                 progress(key(name, scenario, option))
     finally:
@@ -263,7 +297,10 @@ def diff(expected: dict, actual: dict) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default=str(DEFAULT_OUTPUT), help=f"JSON file to write (default {DEFAULT_OUTPUT})")
+    parser.add_argument(
+        "--device", default="both", choices=DEVICES + ("both",), help="the execution device(s) to record on"
+    )
+    parser.add_argument("--output", default=None, help="JSON file to write (one device only; default: its baseline)")
     parser.add_argument("--pipelines", default=None, help="comma-separated tiny pipelines (default: all)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -279,13 +316,17 @@ def main(argv=None) -> None:
         ok, reason = tiny.available(name)
         if not ok:
             print(f"skipped: {reason}", file=sys.stderr)
-    start = time.perf_counter()
-    data = record_all(names)
-    elapsed = time.perf_counter() - start
-    path = pathlib.Path(args.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dumps(data), encoding="utf-8")
-    print(f"{len(data) - 1} entries in {elapsed:.1f} s -> {path}", file=sys.stderr)
+    devices = DEVICES if args.device == "both" else (args.device,)
+    if args.output is not None and len(devices) > 1:
+        parser.error("--output needs one --device")
+    for device in devices:
+        start = time.perf_counter()
+        data = record_all(names, device=device)
+        elapsed = time.perf_counter() - start
+        path = pathlib.Path(args.output) if args.output is not None else baseline_file(device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(dumps(data), encoding="utf-8")
+        print(f"{device}: {len(data) - 1} entries in {elapsed:.1f} s -> {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
