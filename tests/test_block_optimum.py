@@ -264,3 +264,27 @@ def test_lowering_the_budget_by_d_adds_per_use_at_most_d_and_a_ring(shape):
     slot = max([i.ring_slot for items in blocks.values() for i in items] or [0])
     more = steady_replay(blocks, sizes, call, budget - d) - steady_replay(blocks, sizes, call, budget)
     assert more <= len(call) * (d + (DEPTH + 1) * slot)
+
+
+# -- what is kept, what streams, and why ------------------------------------------------------------------------------
+def test_offload_status_and_the_trace_say_per_component_which_blocks_are_kept_which_stream_and_why():
+    pipe, kwargs = cliff_pipeline()
+    budget = size_of(pipe, "transformer") + size_of(pipe, "vae") - 1
+    pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, keep_on_device_between_generations=True)
+    call(pipe, kwargs)
+    with doe.trace(pipe) as recorded:
+        call(pipe, kwargs)
+    status = doe.offload_status(pipe).components["transformer"]
+    blocks = status.blocks
+    total = len(doe.block_sizes(pipe.transformer))
+    assert blocks is not None and len(blocks.resident) < total  # it keeps only some (the rest waits on the host)
+    assert set(blocks.resident) | set(blocks.streamed) | {REST} == set(doe.block_sizes(pipe.transformer))
+    assert f"{len(blocks.resident)} of {total} blocks kept" in blocks.why and status.why == blocks.why
+    assert "why" in str(doe.offload_status(pipe)) and blocks.why[:40] in " ".join(
+        str(doe.offload_status(pipe)).split()
+    )
+    info = recorded.calls[-1].blocks
+    assert "vae" in info  # it ran keeping only some of its blocks in this call (the transformer ran keeping all)
+    for name, shown in info.items():
+        assert set(shown["kept"]).isdisjoint(shown["streamed"]) and shown["why"]
+        assert set(shown["kept"]) | set(shown["streamed"]) <= set(doe.block_sizes(getattr(pipe, name)))

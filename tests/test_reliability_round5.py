@@ -15,6 +15,8 @@ from simulated_accelerator import SimulatedAccelerator
 
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: residency, block streaming, recovery, the ledger")
 
+import diffusers  # noqa: E402
+
 import diffusers_offload_ext as doe  # noqa: E402
 from diffusers_offload_ext import marks  # noqa: E402
 from diffusers_offload_ext.blocks.find import REST, block_sizes  # noqa: E402
@@ -230,6 +232,43 @@ def test_a_module_in_training_mode_that_a_retry_could_change_is_not_run_again(ca
             tiny.run(pipe, "flux")
     assert not isinstance(caught.value, doe.OffloadOutOfMemoryError)
     assert "is not run again" in caplog.text and why in caplog.text
+
+
+def deeper_flux():
+    """The tiny FLUX with 4 + 8 transformer blocks: a ring of two buffers is smaller than one of three."""
+    pipe = tiny.build("flux")
+    config = dict(pipe.transformer.config, num_layers=4, num_single_layers=8)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        pipe.transformer = diffusers.FluxTransformer2DModel.from_config(config).eval()
+    return pipe
+
+
+@pytest.mark.parametrize("errors", [3, 4])
+def test_three_out_of_memory_errors_in_one_streamed_forward_end_with_fewer_blocks_and_a_smaller_ring(caplog, errors):
+    """Fault 8(b): the rungs of a streaming component are fewer blocks kept, down to its rest and a ring of three
+    buffers, then a ring of two; three errors in one forward ended after two rungs (the second only gave the cached
+    memory back). Four errors still end the recovery, with nothing half loaded."""
+    from harness import diffusers_logs
+
+    expected = tiny.run(deeper_flux(), "flux")
+    pipe = deeper_flux()
+    budget = int(sum(block_sizes(pipe.transformer).values()) * 0.95)
+    others = ["text_encoder", "text_encoder_2", "vae"]
+    pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, exclude_from_offload=others)
+    with diffusers_logs(caplog, "WARNING"), out_of_memory(pipe.transformer.x_embedder, times=errors) as injected:
+        if errors == 4:
+            with pytest.raises(doe.OffloadOutOfMemoryError, match="at its smallest residency it ran out again") as e:
+                tiny.run(pipe, "flux")
+            said = str(e.value)
+        else:
+            image = tiny.run(pipe, "flux")
+            said = caplog.text
+    assert len(injected.raised) == errors and "a ring of 2 buffers" in said
+    if errors == 3:
+        assert max_abs_diff(image, expected) == 0.0
+        assert sum(s.recoveries for s in doe.offload_status(pipe).learnt) == 1
+    assert max_abs_diff(tiny.run(pipe, "flux"), expected) == 0.0  # and the next call runs
 
 
 # -- 9: the guards keep the signatures diffusers reads -----------------------------------------------------------------

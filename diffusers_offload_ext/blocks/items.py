@@ -41,22 +41,28 @@ def _forced(blocks) -> list:
     return [REST] if blocks and blocks[0].name == REST else []
 
 
-def stream_room(module) -> Optional[int]:
+def stream_room(module, depth: int = DEPTH) -> Optional[int]:
     """The fewest device bytes `module` can stream its blocks in (its rest, any block larger than the ring's buffers,
-    the ring); `None` when it cannot stream at all. A choice exists (`block_choice`) for any room at least this."""
+    the ring of `depth + 1` buffers); `None` when it cannot stream at all. A choice exists (`block_choice`) for any
+    room at least this."""
     items, blocks, _ = _items(module)
-    return None if items is None else least_room(items, depth=DEPTH, forced=_forced(blocks))
+    return None if items is None else least_room(items, depth=depth, forced=_forced(blocks))
 
 
-def block_choice(module, room: int, uses: Optional[Dict[str, int]] = None) -> Tuple[Optional[BlockChoice], list, str]:
-    """`(choice, blocks, why not)`: how `module` streams within `room` bytes (`policies.blocks.choose_blocks` over its
-    blocks, its rest kept, each block weighed by `uses`, 1 if not given); the choice is `None` when it cannot stream,
-    and `why not` says why."""
+def block_choice(
+    module, room: int, uses: Optional[Dict[str, int]] = None, depths: Tuple[int, ...] = (DEPTH,)
+) -> Tuple[Optional[BlockChoice], list, str]:
+    """`(choice, blocks, why not)`: how `module` streams within `room` bytes (`blocks.choice.choose_blocks` over its
+    blocks, its rest kept, each block weighed by `uses`, 1 if not given), with a ring of `depth + 1` buffers for the
+    first of `depths` that fits (smaller rings: an out-of-memory recovery's last rungs); the choice is `None` when it
+    cannot stream, and `why not` says why."""
     items, blocks, why = _items(module, uses)
     if items is None:
         return None, blocks, why
     forced = _forced(blocks)
-    choice = choose_blocks(items, room, depth=DEPTH, forced=forced)
+    choice = None
+    for depth in depths:
+        choice = choice or choose_blocks(items, room, depth=depth, forced=forced)
     if choice is None:
         least = least_room(items, depth=DEPTH, forced=forced)
         need, have = format_size(least), format_size(room)

@@ -13,13 +13,17 @@ from .adopt import adopt_whole
 from .find import find_blocks
 from .lessons import StreamLessons
 from .status import BlockStatus, KeptFacts, StreamBytes
-from .choice import BlockChoice
+from .choice import DEPTH, BlockChoice
 from .items import block_choice, block_items, kept_choice, stream_room  # noqa: F401 (re-exported)
 from .prefetch import blocks_ahead
 from .streamer import BlockStreamer
 from ..units import format_size
 
 logger = logging.get_logger(f"diffusers.{__name__}")
+
+#: The prefetch depths a stream started by an out-of-memory recovery may take, largest ring first: below the room of
+#: a ring of `DEPTH + 1` buffers, one of two (one block prefetched).
+RECOVERY_DEPTHS = (DEPTH, 1)
 
 
 class BlockStreams(StreamLessons):
@@ -42,6 +46,8 @@ class BlockStreams(StreamLessons):
         self.said: Set[str] = set()  # components whose streaming (or failure to) was logged
         self.plans: Dict[str, BlockChoice] = {}  # name -> its plan (`choices` shows the ring it holds now)
         self.why: Dict[str, str] = {}  # name -> why it keeps what it keeps (the policy's words)
+        #: Whether a stream started now may take a ring smaller than `DEPTH + 1` buffers (an out-of-memory rung).
+        self.smaller_rings = False
         #: `Facts.runs`: name -> use index in a call -> the blocks that use ran, as its streams learnt them.
         self.runs: Dict[str, Dict[int, frozenset]] = {}
         self._runs_this_call: Dict[str, Dict[int, frozenset]] = {}
@@ -55,7 +61,7 @@ class BlockStreams(StreamLessons):
         its kept blocks); `(choice, "")`, or `(None, why not)` with nothing changed. Its blocks are weighed by the uses
         they had the last time it streamed. A start that raises (out of device memory) leaves it not streaming."""
         order, uses = self.this_call.get(name) or self.learned.get(name, (None, {}))
-        choice, blocks, why = block_choice(module, room, uses)
+        choice, blocks, why = block_choice(module, room, uses, RECOVERY_DEPTHS if self.smaller_rings else (DEPTH,))
         if choice is None:
             return None, why
         self._launch(name, module, blocks, choice, transfer, check, room)

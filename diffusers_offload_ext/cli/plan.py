@@ -10,6 +10,7 @@ from ..constants import GiB
 from ..models.bounds import MAX_GENERATIONS, MAX_STEPS, REPLAYED_GENERATIONS, format_rate
 from ..models.profiles import DEFAULT_PROFILE
 from ..models.request import DEFAULT_RESERVE, DEFAULT_VRAM
+from ..units import format_size
 from . import output, plan_details
 
 HELP = "the offload call to use for a model on a card: whether it fits, bytes and seconds per image"
@@ -174,7 +175,26 @@ def render(result: dict, columns: int, details: bool = False) -> List[str]:
         lines += [""] + _choice("Use", summary["use"], result, columns)
     if summary["runner_up"] is not None:
         lines += [""] + _choice("Runner-up", summary["runner_up"], result, columns)
-    return lines + [""] + _footer(result, columns, details)
+    return lines + _block_optimum(result, columns) + [""] + _footer(result, columns, details)
+
+
+def _block_optimum(result: dict, columns: int) -> List[str]:
+    """`--optimum`: the least bytes of any block schedule, and the budget row's ratio to it."""
+    rows = (result.get("block_residency") or {}).get("rows") or {}
+    best, budget = rows.get("block_optimum"), rows.get("budget")
+    if best is None or budget is None or "to_block_optimum" not in budget:
+        return []
+    text = (
+        f"Block optimum (the least bytes of any block schedule, the whole call known in advance): "
+        f"{format_size(best['steady_generation_bytes'])} per later {_unit(result)}; the memory_budget row moves "
+        f"{budget['to_block_optimum']:.2f}x that"
+        + (
+            " (below 1: it keeps sets of blocks other than the optimum's, each component's largest first)."
+            if budget["to_block_optimum"] < 1
+            else "."
+        )
+    )
+    return [""] + output.wrap(text, columns, "  ")
 
 
 def _header(result: dict, columns: int) -> List[str]:

@@ -7,7 +7,8 @@ schedule up to the rounding of a block; the residency manager, which may keep an
 The model is the residency manager's (`residency/block_sets.py`): a use of a component copies the blocks it runs that
 are not kept; while it runs, every kept block and its ring (`DEPTH + 1` buffers as large as its largest streamed
 block, fewer when fewer stream) fit its room, and streaming needs its rest kept; eviction is free at any moment; a
-component that cannot stream (no repeated blocks) runs whole.
+component that cannot stream (no repeated blocks) runs whole, kept; one that cannot run within the budget even alone
+runs whole and alone, over it, as the runtime loads it (with a warning).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def levels(items: Optional[Sequence[Item]], size: int) -> Levels:
     """The prefixes of a component's blocks (`None`: it cannot stream, one block of `size` bytes): its rest, then its
     blocks by ring slot, largest first."""
     if not items or len(items) < 2:
-        return Levels(np.array([0, int(size)]), np.array([0, 0]), np.array([True, True]))
+        return Levels(np.array([0, int(size)]), np.array([0, 0]), np.array([False, True]))  # it runs whole
     rest = [item for item in items if item.key == "<rest>"]
     ordered = rest + sorted((item for item in items if item.key != "<rest>"), key=lambda item: -item.ring_slot)
     kept, ring, runs = [0], [], []
@@ -83,6 +84,10 @@ def block_optimum(
 
     held = sum(along(n, table[n].kept) for n in names)
     feasible = {n: (held + along(n, table[n].ring) <= budget) & along(n, table[n].runs) for n in names}
+    for n in names:
+        if not feasible[n].any():  # it cannot run in the budget even alone: as the runtime, whole and alone, over it
+            top = np.arange(len(table[n].kept)) == len(table[n].kept) - 1
+            feasible[n] = (held == along(n, table[n].kept)) & along(n, top)
     reach = np.full(shape, INF, dtype=np.int64)
     reach[(0,) * len(names)] = 0
     after: List[int] = []

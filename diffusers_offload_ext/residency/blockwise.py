@@ -67,7 +67,7 @@ def use_in_blocks(policy, name: str, resident: AbstractSet[str], facts: Facts) -
         ):
             new = safe
     if new is None:  # it cannot run in its room even alone: everything else goes, and it runs alone (with a warning)
-        return _alone(policy, name, kept, specs, room)
+        return _alone(policy, name, kept, specs, room, facts)
     _count(policy, name, kept, new, at_use(specs[name], _runs(facts).get(name, {}).get(_index(policy, name))), specs)
     return _decision(policy, name, kept, new, specs, facts, room, upcoming)
 
@@ -92,13 +92,20 @@ def held_after(policy, name: str, decision: Decision, after: AbstractSet[str], f
     return held
 
 
-def _alone(policy, name: str, kept: Kept, specs: Mapping[str, Spec], room: int) -> Decision:
-    """`name` cannot run in `room` even alone: every other component is evicted and it is asked to stream in the room,
-    which the runtime cannot do, so it loads it whole, alone, and says why (`BlockStreams.begin`)."""
-    moves = [(OFFLOAD, n) for n in policy.offloaded if n in kept and n != name]
-    moves += [(OFFLOAD, name)] if name in kept and specs[name].streams else []
-    policy.shadow.count(onloaded=specs[name].total)
-    return Decision.of(moves + [(STREAM, name)], Overflow(name, specs[name].total, max(room, 0)))
+def _alone(policy, name: str, kept: Kept, specs: Mapping[str, Spec], room: int, facts: Facts) -> Decision:
+    """`name` cannot run in `room` even alone: every other component is evicted and it runs whole, alone, over the
+    budget (with a warning: `BlockStreams.begin`). One that keeps some of its blocks keeps them all (only the others
+    are copied), one on the device whole stays so; otherwise it is asked to stream in the room, which the runtime
+    cannot do, so it loads it whole."""
+    moves: List[Tuple[str, str]] = [(OFFLOAD, n) for n in policy.offloaded if n in kept and n != name]
+    spec, mine = specs[name], kept.get(name, frozenset())
+    policy.shadow.count(onloaded=spec.total - kept_bytes(spec, mine))
+    if name in (facts.kept or {}) and mine:
+        why = f"all {len(spec.items)} blocks kept: it cannot stream in its room ({format_size(max(room, 0))})"
+        return Decision.of(moves + [(KEEP, name)], None, {name: Keep(spec.keys, False, why)})
+    if name in kept:  # whole on the device already: it runs so
+        return Decision.of(moves)
+    return Decision.of(moves + [(STREAM, name)], Overflow(name, spec.total, max(room, 0)))
 
 
 def _chooser(policy, specs: Mapping[str, Spec], facts: Facts) -> Chooser:

@@ -338,10 +338,13 @@ class Session:
             for recorder in {id(s.recorder): s.recorder for s in [self] + sharing.running}.values():
                 causes.enter_context(recorder.caused(OUT_OF_MEMORY))
             self.streams.settle()
+            self.streams.smaller_rings = True  # its last rungs stream in less than a ring of three buffers
             try:
                 self.carry_out(decision)
             except torch.OutOfMemoryError:
                 logger.debug("A rung of an out-of-memory recovery ran out of device memory itself.")
+            finally:
+                self.streams.smaller_rings = False
         memory.release_cached(self.device)
         self.activations.open(self.device, self.held_bytes())
 
