@@ -86,6 +86,7 @@ RULES = {
     "runtime": {"cli", "models", "testing", "observe"},
     "observe": {"runtime", "cli", "models", "testing"},
     "models": {"runtime", "transfer", "observe", "testing"},
+    "host": {"runtime", "policies", "transfer", "observe", "cli", "models", "testing"},
     "calls.py": {"torch", "runtime", "policies", "transfer", "observe"},
     "constants.py": {"torch", "runtime", "policies", "transfer", "observe"},
     "units.py": {"torch", "runtime", "policies", "transfer", "observe"},

@@ -7,11 +7,13 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from ..layout import cannot_move
 from ..ledger import TransferLedger
-from ..marks import get_session
+from ..marks import get_session, host_side
 from ..transfer import ON_DEVICE
 from ..recovery.activations import LearntShape
 from ..blocks.streams import BlockStatus
 from .session import session_of
+from ..host.account import HostBytes, total
+from .host import host_tensors
 
 
 def _check(pipe) -> None:
@@ -94,6 +96,9 @@ class ComponentStatus(NamedTuple):
         blocks (`BlockStatus` or `None`): While it streams (it is larger than the room the memory budget leaves it):
             which blocks are resident, which stream, the ring and the bytes streamed per forward; `None` otherwise.
         why (`str`): For the role `"cannot move"`, why not; empty otherwise.
+        host (`HostBytes` or `None`): Under a host budget (`host_memory_budget`), its host memory by kind:
+            `page_locked`, `anonymous` (both counted by the budget) and `file_backed` (views of its checkpoint files,
+            which the kernel may drop and read again); its host copy while it is on the device. `None` without one.
     """
 
     nbytes: int
@@ -104,6 +109,7 @@ class ComponentStatus(NamedTuple):
     pinned_bytes: int = 0
     blocks: Optional[BlockStatus] = None
     why: str = ""
+    host: Optional[HostBytes] = None
 
 
 class OffloadStatus(NamedTuple):
@@ -129,6 +135,10 @@ class OffloadStatus(NamedTuple):
             and 0 for an explicit one.
         learnt (`Tuple[LearntShape, ...]`): What each call shape taught (its activations, reserve, budget limit and
             out-of-memory recoveries), oldest first.
+        host_budget (`int` or `None`): The host budget in bytes (`host_memory_budget`; `"auto"` read when offload was
+            armed), `None` without one.
+        host_bytes (`HostBytes` or `None`): Under a host budget, the components' host memory by kind, measured now
+            (the staging ring among the page-locked bytes); `.counted` is what the budget counts. `None` without one.
     """
 
     enabled: bool
@@ -145,6 +155,8 @@ class OffloadStatus(NamedTuple):
     pinned_bytes: int = 0
     reserve: Optional[int] = None
     learnt: Tuple[LearntShape, ...] = ()
+    host_budget: Optional[int] = None
+    host_bytes: Optional[HostBytes] = None
 
 
 def offload_status(pipe) -> OffloadStatus:
@@ -173,8 +185,11 @@ def offload_status(pipe) -> OffloadStatus:
     if session is None or session.transfer is None:
         return OffloadStatus(False, None, None, {}, 0, None, (), 0, False, [], {})
     fixed = session.placement.fixed
+    keeper = host_side(session)
+    budgeted = keeper is not None and keeper.plan is not None
+    host = keeper.read(host_tensors(session.modules, session.transfer.book)) if budgeted else {}
     components = {
-        name: _fixed(session, name) if name in fixed else _component(session, name)
+        name: _fixed(session, name) if name in fixed else _component(session, name)._replace(host=host.get(name))
         for name in pipe.components
         if name in session.modules or name in fixed
     }
@@ -194,7 +209,14 @@ def offload_status(pipe) -> OffloadStatus:
         pinned_bytes=sum(c.pinned_bytes for c in components.values()),
         reserve=session.arming.reserve if session.options.residency else None,
         learnt=session.activations.status(),
+        host_budget=keeper.budget if budgeted else None,
+        host_bytes=_host_total(host, keeper.ring_bytes) if budgeted else None,
     )
+
+
+def _host_total(host: Dict[str, HostBytes], ring: int) -> HostBytes:
+    """The components' host bytes, the staging ring among the page-locked ones."""
+    return total(host).plus(HostBytes(page_locked=ring))
 
 
 def _policy_kind(policy) -> Optional[str]:

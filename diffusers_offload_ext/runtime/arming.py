@@ -20,6 +20,7 @@ from .checks import check_pinning, raise_like_stock
 from .combined import layout_of, quiet_sub_pipelines
 from .devices import resolve_device
 from .hook import attach, ours
+from . import host as host_plan
 from .options import OffloadOptions, resolve_options
 from .placement import Sizes
 from ..recovery.measuring import expect
@@ -46,6 +47,8 @@ class Arming(NamedTuple):
             reserve, else `memory_reserve` (automatic budget) or 0 (explicit). `limits` (`Tuple[Tuple[str, int],
             ...]`): the most weights while each component whose activations need more runs (`budget.component_limits`).
         shape (`tuple`): The call shape they were chosen for, with what was learnt then (`learnt_version`).
+        host (`HostPlan` or `None`): Under a host budget (`host_memory_budget`), its plan (`host/budget.py`): the
+            budget, the components to re-map onto their checkpoint files, the staging ring.
     """
 
     options: OffloadOptions
@@ -61,6 +64,7 @@ class Arming(NamedTuple):
     limits: Tuple[Tuple[str, int], ...] = ()
     shape: tuple = ()
     learnt_version: int = 0
+    host: Optional[Any] = None
 
 
 def validate(pipe, session: Optional[Session], gpu_id, device, **arguments) -> Arming:
@@ -77,7 +81,9 @@ def validate(pipe, session: Optional[Session], gpu_id, device, **arguments) -> A
     check_pinning(options, exec_device)
     arrangement = layout.arrange(options.exclude_from_offload)
     fixed = tuple(fixed_of(pipe.components))
-    arming = Arming(options, exec_device, index, layout, arrangement, None, False, user_excluded, fixed)
+    given = arguments.get("host_memory_budget") is not None
+    host = host_plan.plan_for(pipe, options, exec_device, layout.order, given)
+    arming = Arming(options, exec_device, index, layout, arrangement, None, False, user_excluded, fixed, host=host)
     if options.residency:
         arming = _budget(pipe, session, arming)
     return arming
@@ -144,8 +150,10 @@ def arm(pipe, arming: Arming) -> Session:
     quiet_sub_pipelines(pipe)
     STOCK["remove_all_hooks"](pipe)
     session.exclusion.restore(pipe)
+    host_plan.carry_out(arming.host, pipe, arming.device)
     modules = modules_of(pipe.components, movable=False)
     session.adopt(arming, {name: modules[name] for name in arming.layout.order}, {n: modules[n] for n in arming.fixed})
+    host_plan.armed(session)
     session.decide_with(*policy_for(session, arming))
     pipe._offload_gpu_id, pipe._offload_device = arming.index, arming.device
     session.exclusion.apply(pipe, arming.user_excluded, arming.arrangement.excluded)

@@ -17,6 +17,7 @@ from ..marks import MARK, STOCK, combined_of, get_session
 from ..recovery.activations import call_shape
 from .arming import arm, arm_again, before_call, validate
 from .hook import detach
+from . import host
 from ..pinning.store import unpin
 from .options import docstring, signature, take
 
@@ -89,6 +90,7 @@ def remove_all_hooks(self) -> None:
     STOCK["remove_all_hooks"](self)
     if session is not None:
         session.disarm()
+        host.disarmed(session)
         session.exclusion.restore(self)
         unpin(session.device, session.modules.values())
 
@@ -143,6 +145,7 @@ def _end_of_call(pipe, session, failed: bool) -> None:
     try:
         _free_like_stock(pipe, session)
         session.end_of_call(failed)
+        host.after_call(session)
     except Exception:
         if not failed:
             raise

@@ -150,6 +150,24 @@ OPTIONS: Tuple[Option, ...] = (
             `ValueError`. Elsewhere onloads stay as they are. While the manager is off it has no effect and stays
             set: it acts again when the manager is on. Opt-in until measured on a GPU.""",
     ),
+    Option(
+        "host_memory_budget", SIZE, "`int` or `str`", "`None`: no host budget", check.host_size, check.host_merge,
+        field="host_budget",
+        values='`int` bytes, a size (`"24GiB"`), `"auto"`, `"off"`',
+        summary="The most host RAM the weights may hold (page-locked, anonymous, host copies); weights beyond it stay "
+        'in their safetensors files. `"auto"`: from the cgroup limit and available RAM, less a margin.',
+        doc="""The most host memory (RAM) the offloaded pipeline's weights may hold: page-locked memory (weights and a
+            small staging ring), anonymous memory (weights copied or converted on loading, host copies kept for
+            evictions without a copy); weights mapped from their safetensors files, which the kernel may drop and
+            read again, do not count. Weights beyond the budget stay in their files: anonymous ones are re-mapped
+            onto the checkpoint file (after their bytes are compared with it), and they are copied to the device
+            from there through a page-locked staging ring. Evictions of unchanged components then drop the device
+            copy (as with `zero_copy_eviction=True`; `False` is refused). `"auto"`: the cgroup's memory limit and
+            the memory available now, plus what the pipeline already holds, less a margin (an eighth of the host,
+            1 to 4 GiB). `"off"` clears it. A budget above the host's memory, or below what must stay in RAM, raises
+            a `ValueError` before anything changes. `doe.offload_status(pipe).host_bytes` reports host bytes by
+            kind.""",
+    ),
 )  # fmt: skip
 #: The option names, in the signature's order.
 NEW_OPTIONS = tuple(option.name for option in OPTIONS)
@@ -172,6 +190,8 @@ class OffloadOptions:
             (`pins`).
         prefetch (`bool`, defaults to `False`): `prefetch`; set while the manager is off, it acts again when the
             manager is on (`prefetches`).
+        host_budget (`int` or `"auto"`, *optional*): `host_memory_budget` (`"auto"`: read at each arming); `None`:
+            no host budget (`host_budgeted`).
     """
 
     exclude_from_offload: Tuple[str, ...] = ()
@@ -183,6 +203,12 @@ class OffloadOptions:
     zero_copy: Optional[bool] = None
     pin_memory: Union[bool, str, None] = None
     prefetch: bool = False
+    host_budget: Union[int, str, None] = None
+
+    @property
+    def host_budgeted(self) -> bool:
+        """Whether a host budget is in force (`host_memory_budget` set, not `"off"`)."""
+        return self.host_budget is not None and self.host_budget != check.OFF
 
     @property
     def residency(self) -> bool:
@@ -192,8 +218,9 @@ class OffloadOptions:
     @property
     def drops(self) -> bool:
         """Whether an eviction of an unchanged component only drops its device copy: with `zero_copy_eviction=True` in
-        every mode; when it was never set, with the residency manager only."""
-        return self.residency if self.zero_copy is None else self.zero_copy
+        every mode; when it was never set, with the residency manager or a host budget (whose file-backed host copies
+        must not be copied into anonymous memory at every eviction) only."""
+        return (self.residency or self.host_budgeted) if self.zero_copy is None else self.zero_copy
 
     @property
     def prefetches(self) -> bool:

@@ -137,14 +137,15 @@ class HostCopy:
             return  # something it cannot read: the eviction will copy
         self.signature = [(_token(t), [_marks(x) for x in leaves]) for (_, _, _, t), leaves in live]
 
-    @staticmethod
-    def _content(live) -> Optional[list]:
-        """Fingerprints of the plain tensors, a vector per device (`meta` tensors hold no data that could change), in
-        a fixed order; `None` when some tensor cannot be read."""
+    def _content(self, live) -> Optional[list]:
+        """Fingerprints of the plain tensors, a vector per device (`meta` tensors hold no data that could change; a
+        tensor the device reads where its host tensor lies, the same memory, has nothing a drop could lose: a file-backed
+        weight on the plain CPU, `host/staging.py`), in a fixed order; `None` when some tensor cannot be read."""
+        homes = {host.data_ptr() for held in self.host for host in held.hosts if host.device.type == "cpu"}
         groups: dict = {}
         for _, leaves in live:
             for t in leaves:
-                if t.device.type != "meta":
+                if t.device.type != "meta" and not (t.device.type == "cpu" and t.data_ptr() in homes - {0}):
                     groups.setdefault(t.device, []).append(t)
         content = [(device, fingerprints(tensors)) for device, tensors in groups.items()]
         return None if any(vector is None for _, vector in content) else content

@@ -58,8 +58,12 @@ class SyncTransfer(Transfer):
         return Moved(nbytes, COPY)
 
     def _copy_in(self, module: torch.nn.Module, locked: bool, sealed) -> None:
-        """`module` to the device (queued from page-locked memory, else blocking), then `sealed.seal(module)`."""
-        if locked and self.streamed:
+        """`module` to the device (queued from page-locked memory, else blocking; its file-backed weights, under a
+        host budget, through the staging ring or where they lie: `host/staging.py`), then `sealed.seal(module)`."""
+        if self.host is not None and self.host.onload(module, self.device):
+            if self.streamed and self.pinning is not None:
+                self.pinning.fence_module(module, self._event(), torch.cuda.current_stream(self.device))
+        elif locked and self.streamed:
             module.to(self.device, non_blocking=True)
             self.pinning.fence_module(module, self._event(), torch.cuda.current_stream(self.device))
         else:
