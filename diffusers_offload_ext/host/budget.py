@@ -126,9 +126,8 @@ def _below(argument, value, budget, counted, staging, measured, candidates, kept
         parts.append(f"`{name}`: {format_size(left)} ({why})")
     if staging:
         parts.append(f"the staging ring: {format_size(staging)}")
-    shown = value if isinstance(value, str) else format_size(value)
     return (
-        f"`{argument}`={shown!r} ({format_size(budget)}) is below what must stay in RAM: {format_size(counted)} "
+        f"`{argument}`={value!r} ({format_size(budget)}) is below what must stay in RAM: {format_size(counted)} "
         f"({', '.join(parts)}). Pass at least {format_size(counted)}, or load the pipeline so that its weights stay "
         "in their files (`diffusers_offload_ext.load_file_backed(...)`, or `from_pretrained` with the checkpoint's "
         "own `torch_dtype`)."

@@ -119,15 +119,13 @@ def named_slots(module: torch.nn.Module) -> Iterator[Tuple[str, Slot, torch.Tens
 
 
 def candidates(module: torch.nn.Module, folder: str) -> Dict[int, Tuple[List[Slot], torch.Tensor, List[Stored]]]:
-    """Per tensor object of `module` (by `id`): its slots, the tensor, and the stored tensors of the same name, dtype
-    and shape in `folder`'s files (what `remap.py` may use once the bytes agree)."""
+    """Per tensor object of `module` (by `id`): its slots, the tensor, and the stored tensors of the same name in
+    `folder`'s files (what `remap.py` may use where dtype, shape and bytes agree)."""
     stored = stored_tensors(folder)
     found: Dict[int, Tuple[List[Slot], torch.Tensor, List[Stored]]] = {}
     for name, slot, tensor in named_slots(module):
         entry = found.setdefault(id(tensor), ([], tensor, []))
         if slot not in entry[0]:
             entry[0].append(slot)
-        for item in stored.get(name, ()):
-            if item.dtype == tensor.dtype and item.shape == tuple(tensor.shape) and item not in entry[2]:
-                entry[2].append(item)
+        entry[2].extend(item for item in stored.get(name, ()) if item not in entry[2])
     return found

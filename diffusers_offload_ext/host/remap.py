@@ -82,9 +82,10 @@ def prepare(module: torch.nn.Module, folder: str, regions: Regions) -> Prepared:
         if tensor.device.type != "cpu" or regions.file_of(tensor.data_ptr()) is not None:
             continue
         nbytes = sum(p.numel() * p.element_size() for p in tensor_parts(tensor))
-        reason = unfit(tensor) or ("not in the checkpoint's files" if not stored else "")
+        alike = [item for item in stored if item.dtype == tensor.dtype and item.shape == tuple(tensor.shape)]
+        reason = unfit(tensor) or _unmatched(stored, alike)
         view = None
-        for item in [] if reason else stored:
+        for item in [] if reason else alike:
             if item.path not in files:
                 files[item.path] = mapping(item.path)
             candidate = view_of(files[item.path], item)
@@ -98,6 +99,15 @@ def prepare(module: torch.nn.Module, folder: str, regions: Regions) -> Prepared:
         assignments.append((slots, tensor, view))
         mapped += nbytes
     return Prepared(assignments, mapped, reasons)
+
+
+def _unmatched(stored, alike) -> str:
+    """Why no stored tensor of the same name can stand for `tensor` before its bytes are read (empty: some may)."""
+    if not stored:
+        return "not in the checkpoint's files"
+    if not alike:
+        return "in the checkpoint's files with another dtype or shape (converted on loading)"
+    return ""
 
 
 def apply(prepared: Prepared) -> int:

@@ -11,7 +11,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from ..layout import modules_of
-from ..units import BARE_MINIMUM, MAX_BYTES, UNIT_NAMES, SizeError, check_unit, format_size, parse_size
+from ..units import MAX_BYTES, UNIT_NAMES, SizeError, check_unit, format_size, parse_size
 
 #: `memory_budget="auto"` and `pin_memory="auto"`; `host_memory_budget="off"`.
 AUTO, OFF = "auto", "off"
@@ -105,17 +105,11 @@ def size_or_auto(argument: str, value: Any, components=None) -> Optional[int]:
 
 
 def host_size(argument: str, value: Any, components=None) -> Union[int, str]:
-    """`size` (at least 1 MiB), `"auto"` (read from the host at each arming) or `"off"` (no host budget)."""
+    """`size`, `"auto"` (read from the host at each arming) or `"off"` (no host budget)."""
     if isinstance(value, str) and value.strip().lower() in (AUTO, OFF):
         return value.strip().lower()
-    check_unit(value, argument, texts_only=True)
-    nbytes = size(argument, value, components, example="24GiB")
-    if nbytes < BARE_MINIMUM:
-        raise ValueError(
-            f"`{argument}`={value!r} is below {format_size(BARE_MINIMUM)}: no pipeline runs in so little host "
-            f'memory. Pass a size such as `{argument}="24GiB"`, `"auto"`, or `"off"` for no host budget.'
-        )
-    return nbytes
+    check_unit(value, argument, texts_only=True)  # `"100"`: a unit left out
+    return size(argument, value, components, example="24GiB")
 
 
 def reserve(argument: str, value: Any, components=None) -> int:

@@ -74,8 +74,11 @@ def anonymous() -> int:
     return process_memory().get("RssAnon", 0)
 
 
-def child(folder: str, loader: str, budget: Optional[str], images: str) -> Dict[str, int]:
-    """In the child process: load, arm, call twice, call once without the host budget; the figures in bytes."""
+def child(folder: str, loader: str, budget: Optional[str], images: str, threads: str = "0") -> Dict[str, int]:
+    """In the child process: load, arm, call twice, call once without the host budget; the figures in bytes. With
+    `threads` (not 0), torch computes with that many threads (as the parent, for images equal to its own)."""
+    if int(threads):
+        torch.set_num_threads(int(threads))
     import diffusers
 
     import diffusers_offload_ext as doe
@@ -116,7 +119,7 @@ def measure(folder: str, loader: str = "from_pretrained", budget: str = "32MiB",
     """Run `child` in a fresh process; returns its figures and `images` (the two calls' images)."""
     images = os.path.join(folder, f"images-{loader}.pt")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    code = [sys.executable, "-m", __name__, folder, loader, budget, images]
+    code = [sys.executable, "-m", __name__, folder, loader, budget, images, str(torch.get_num_threads())]
     done = subprocess.run(code, capture_output=True, text=True, env=env, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"the measuring child failed:\n{done.stderr[-4000:]}")
@@ -126,4 +129,4 @@ def measure(folder: str, loader: str = "from_pretrained", budget: str = "32MiB",
 
 
 if __name__ == "__main__":
-    print(json.dumps(child(*sys.argv[1:5])))
+    print(json.dumps(child(*sys.argv[1:6])))
