@@ -227,3 +227,34 @@ def test_zero_copy_eviction_false_is_refused_with_a_host_budget(saved):
     with pytest.raises(ValueError, match="`zero_copy_eviction=False` is in force"):
         pipe.enable_model_cpu_offload(host_memory_budget="1GiB")
     assert doe.offload_status(pipe).options["host_budget"] is None
+
+
+@pytest.fixture(scope="module")
+def saved_deep(tmp_path_factory):
+    """The tiny FLUX pipeline with a transformer of 3 + 6 blocks (it can stream in two thirds of its bytes)."""
+    folder = tmp_path_factory.mktemp("flux-deep")
+    pipe = tiny.build(NAME)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        config = dict(pipe.transformer.config, num_layers=3, num_single_layers=6)
+        pipe.transformer = diffusers.FluxTransformer2DModel.from_config(config).eval()
+    pipe.save_pretrained(folder)
+    return str(folder), tiny.run(pipe, NAME)
+
+
+def test_streamed_blocks_of_file_backed_weights_pass_through_the_staging_ring(saved_deep):
+    saved, reference = saved_deep
+    pipe = load(saved)
+    budget = doe.module_nbytes(pipe.transformer) * 2 // 3  # the transformer streams its blocks
+    with fake_page_locking(), SimulatedAccelerator() as sim, fake_cuda() as cuda:
+        pipe.enable_model_cpu_offload(device=sim.device, memory_budget=budget, host_memory_budget="64MiB")
+        image = tiny.run(pipe, NAME)
+        streamed = doe.offload_status(pipe).components["transformer"].blocks
+        waits = list(cuda.waits)
+        pipe.enable_model_cpu_offload(host_memory_budget="off")
+        tiny.run(pipe, NAME)
+        without = cuda.waits[len(waits) :]
+    assert torch.equal(image, reference)
+    assert streamed is None  # streamed in the call, stopped at its end
+    moved = [r for r in doe.transfer_ledger(pipe).records if r.block is not None and r.call_index == 0]
+    assert moved and set(waits) <= set(without) and len(without) - len(waits) >= len(moved) // 2

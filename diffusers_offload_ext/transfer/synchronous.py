@@ -118,7 +118,7 @@ class SyncTransfer(Transfer):
         return Moved(nbytes, kind)
 
     def copier(self) -> Copier:
-        return Copier(self.device if self.streamed else None, self.pinning)
+        return Copier(self.device if self.streamed else None, self.pinning, self.host)
 
     @staticmethod
     def _resentinel(module: torch.nn.Module, entry) -> None:
