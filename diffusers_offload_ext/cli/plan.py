@@ -7,6 +7,7 @@ from typing import List
 
 from ..models.bounds import MAX_GENERATIONS, MAX_STEPS, REPLAYED_GENERATIONS, format_rate
 from ..models.plan import DEFAULT_BANDWIDTH, DEFAULT_PINNED_BANDWIDTH, DEFAULT_RESERVE, DEFAULT_VRAM
+from ..models.host import DEFAULT_DISK_BANDWIDTH, host_line
 from . import output
 
 HELP = "predict the bytes each offload strategy moves per generation, and the call to use"
@@ -45,6 +46,15 @@ def add_parser(commands, common) -> None:
         default=DEFAULT_PINNED_BANDWIDTH,
         help="ASSUMED host-to-device bandwidth from page-locked memory, for block residency's and group offload's "
         f"copies (default: {DEFAULT_PINNED_BANDWIDTH}, PCIe 4.0 x16; `diffusers-offload doctor` measures it on CUDA)",
+    )
+    p.add_argument(
+        "--ram",
+        help="the host's memory (default: this machine's, the smaller of physical memory and the cgroup's limit): "
+        "whether the weights fit it, which stay in their files, the disk reads per image",
+    )
+    p.add_argument(
+        "--disk-bandwidth",
+        help=f"the disk's read rate for weights read from their files (default: ASSUMED {DEFAULT_DISK_BANDWIDTH})",
     )
     p.add_argument(
         "--step-seconds",
@@ -91,6 +101,7 @@ def bandwidths(args) -> dict:
 def run(args) -> int:
     from ..models import plan, shipped_models
     from ..models.errors import PlanError
+    from ..models.host import parse_host
     from ..models.plan import check_request
 
     if args.list:
@@ -107,6 +118,8 @@ def run(args) -> int:
         **bandwidths(args),
     )
     check_request(**request)  # bad numbers are reported before a missing --model
+    parse_host(args.ram, args.disk_bandwidth)
+    request.update(ram=args.ram, disk_bandwidth=args.disk_bandwidth)
     if not args.model:
         raise PlanError("plan needs --model (one of: " + ", ".join(shipped_models()) + ", or a spec path).", "--model")
     result = plan(args.model, dtypes=args.dtype or (), components=args.component or (), **request)
@@ -157,7 +170,7 @@ def render(result: dict, columns: int) -> List[str]:
     lines += output.heading("Predicted transfers, GiB over the bus (legend below):", columns)
     lines += _strategy_table(result, columns)
     lines += [""] + _legend(result, columns) + [""] + _blocks(result, columns) + _verdict(result, columns)
-    return lines
+    return lines + [""] + output.wrap(host_line(result["host"], output.gib), columns)
 
 
 def _strategy_table(result: dict, columns: int) -> List[str]:
