@@ -15,10 +15,9 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 from ..units import format_size
 from .account import HostBytes, total
-from .memory import HostMemory, margin
+from .memory import HostMemory, margin, ring_bytes
 from .remap import Prepared, prepare
 from .regions import Regions
-from .staging import ring_bytes
 
 #: `host_memory_budget="auto"`, and `"off"` (no host budget: what was set before is cleared).
 AUTO, OFF = "auto", "off"

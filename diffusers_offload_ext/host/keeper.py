@@ -18,6 +18,7 @@ from diffusers.utils import logging
 from ..units import format_size
 from .account import HostBytes, Measured, changed, measure, pageable_anonymous, total
 from .budget import HostPlan
+from .memory import SLOTS
 from .regions import Regions
 from .staging import Stager, StagingRing
 
@@ -49,7 +50,7 @@ class HostKeeper:
         if plan is None:
             self.drop()
             return None
-        if self.ring is None or self.ring.slot_bytes * 3 != plan.staging or self.ring.store is not store:
+        if self.ring is None or self.ring.slot_bytes * SLOTS != plan.staging or self.ring.store is not store:
             if self.ring is not None:
                 self.ring.release()
             self.ring = StagingRing(store if plan.staging else None, plan.staging, queued)

@@ -1,6 +1,7 @@
 """What the host has: its physical memory, the memory limit of the process's cgroup (v2 `memory.max`, v1
-`memory.limit_in_bytes`), the memory available now (`MemAvailable`), and from them the automatic host budget and its
-margin; and the process's own resident memory by kind (`RssAnon`, `RssFile`), as `/proc/self/status` says it.
+`memory.limit_in_bytes`), the memory available now (`MemAvailable`), and from them the automatic host budget and what
+it sets aside (its margin, the staging ring's bytes); and the process's own resident memory by kind (`RssAnon`,
+`RssFile`), as `/proc/self/status` says it. No torch here: the planner reads it too.
 
 Everything is read from files under a `root` (`/` on the machine; a folder of fakes in the tests), bounded in size,
 and a file that is missing or unreadable means "unknown" (no limit, nothing available beyond physical memory).
@@ -11,10 +12,12 @@ from __future__ import annotations
 import os
 from typing import Dict, NamedTuple, Optional
 
-from ..constants import GiB
+from ..constants import GiB, MiB
 
 #: Of the host's memory, what the automatic budget leaves to everything else: an eighth, between these bounds.
 MARGIN_SHARE, MARGIN_MIN, MARGIN_MAX = 8, 1 * GiB, 4 * GiB
+#: The staging ring (`staging.py`): its buffers, and the bounds of each buffer's size.
+SLOTS, SLOT_MIN, SLOT_MAX = 3, 1 * MiB, 64 * MiB
 #: A cgroup "limit" at or above this is no limit (v1 writes 2**63 rounded down to a page).
 _UNLIMITED = 1 << 60
 _MAX_READ = 1 << 16  # bytes read from one of these files at most
@@ -59,6 +62,12 @@ def automatic_budget(host: HostMemory, held: int) -> int:
     anonymous and page-locked host bytes, which `MemAvailable` no longer counts), within the host's size, less the
     margin."""
     return max(0, min(host.size, host.free + held) - margin(host.size))
+
+
+def ring_bytes(budget: int) -> int:
+    """Bytes of the staging ring under a host budget of `budget` bytes: `SLOTS` buffers of a thirty-second of the
+    budget each, within 1 MiB and 64 MiB."""
+    return SLOTS * min(max(budget // 32 // MiB * MiB, SLOT_MIN), SLOT_MAX)
 
 
 def _read(path: str) -> Optional[str]:

@@ -17,19 +17,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from diffusers.utils import logging
 
-from ..constants import MiB
+from .memory import SLOTS
 
-logger = logging.get_logger(f"diffusers.{__name__}")
-
-#: Buffers in the ring, and the bounds of each buffer's size (a thirty-second of the host budget within them).
-SLOTS, SLOT_MIN, SLOT_MAX = 3, 1 * MiB, 64 * MiB
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
-
-def ring_bytes(budget: int) -> int:
-    """Bytes of the staging ring under a host budget of `budget` bytes: `SLOTS` buffers of a thirty-second of the
-    budget each, within 1 MiB and 64 MiB."""
-    return SLOTS * min(max(budget // 32 // MiB * MiB, SLOT_MIN), SLOT_MAX)
+logger = logging.get_logger(f"diffusers.{__name__}")
 
 
 class StagingRing:

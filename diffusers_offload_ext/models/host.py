@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Sequence
 
-from ..host.memory import margin
-from ..host.staging import ring_bytes
+from ..host.memory import margin, ring_bytes
 
 #: Assumed, not measured: a PCIe NVMe drive reading large files (SATA SSDs read about 0.5 GB/s, hard disks 0.15).
 DEFAULT_DISK_BANDWIDTH = "2GB/s"
@@ -112,6 +111,13 @@ def host_plan(
         "call": 'host_memory_budget="auto", pin_memory=True',
         "model": __doc__.split("\n\n")[1].replace("\n", " "),
     }
+
+
+def host_entry(result: dict, call: Sequence[str], parsed: tuple) -> dict:
+    """`host_plan` for a plan's `result` (its components and block residency) and `parse_host`'s `parsed`."""
+    ram, ram_given, rate, rate_given = parsed
+    streaming = result["block_residency"].get("streaming") or {}
+    return host_plan(result["components"], call, streaming, ram, rate, ram_given=ram_given, disk_given=rate_given)
 
 
 def host_line(host: dict, gib) -> str:

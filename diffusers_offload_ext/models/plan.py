@@ -12,7 +12,7 @@ from .block_model import BlockPlans
 from .bounds import MAX_GENERATIONS, MAX_STEPS, parse_bytes, parse_count, parse_rate, parse_seconds
 from .errors import PlanError
 from .generations import Generations, replay_generations
-from .host import host_plan, parse_host
+from .host import host_entry, parse_host
 from .model import Model, load_model
 from .strategies import STRATEGIES, Strategy, all_strategies, largest_offloaded
 
@@ -131,9 +131,8 @@ def plan(
         activations (`str` or `int`, *optional*): The activations of the call, when known (measured: the runtime
             reports them in `doe.offload_status(pipe).learnt`): the reserve is then them and a margin, as the runtime
             leaves once it has seen a call of that shape, instead of `reserve`.
-        ram (`str` or `int`, *optional*): The host's memory (default: this machine's), for the `host` entry.
-        disk_bandwidth (`str` or `int`, *optional*): The disk's read rate that prices reads from file-backed weights
-            (default: `models.host.DEFAULT_DISK_BANDWIDTH`, ASSUMED).
+        ram, disk_bandwidth (`str` or `int`, *optional*): The host's memory (default: this machine's) and the disk's
+            read rate (default: ASSUMED `models.host.DEFAULT_DISK_BANDWIDTH`) for the `host` entry.
 
     Returns:
         `dict`: JSON-ready, sizes in bytes: the model, card and request, `bandwidth` (assumed rates), `components`
@@ -144,8 +143,7 @@ def plan(
         offloaded components do not fit the budget together, how those larger than it stream, the modelled block
         optimum across components, and bytes and seconds per generation beside sequential, group and stock offload.
         The residency manager's row streams as the runtime does (`models.block_model.replay_streaming`).
-        `host` (`models.host.host_plan`): whether the weights fit the host's RAM, which components are page-locked
-        and which stay file-backed, and the disk reads per image at a stated disk rate.
+        `host` (`models.host.host_plan`): whether the weights fit the RAM, which stay in their files, disk reads.
 
     Raises:
         `PlanError`: bad input. `MissingPackage`: a component to build on meta needs a missing package.
@@ -183,11 +181,7 @@ def plan(
     result = _result(loaded, request, call, entries, recommended, notes)
     budget = strategies["residency"].budget if "residency" in strategies else None
     result["block_residency"] = block_residency(loaded, request, call, plans, moved, budget)
-    streaming = result["block_residency"].get("streaming") or {}
-    ram_bytes, ram_given, rate, rate_given = host
-    result["host"] = host_plan(
-        loaded.components, call, streaming, ram_bytes, rate, ram_given=ram_given, disk_given=rate_given
-    )
+    result["host"] = host_entry(result, call, host)
     return result
 
 
