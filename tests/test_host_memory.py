@@ -205,3 +205,17 @@ def test_a_host_budget_keeps_anonymous_memory_within_it_over_two_calls(tmp_path)
     assert all(torch.equal(image, reference) for image in found["images"])
     assert found["calls_peak"] - found["before"] <= 8 * MiB + 48 * MiB
     assert found["without"] - found["called"] >= weights * 0.9
+
+
+@LINUX
+def test_load_file_backed_keeps_a_bfloat16_checkpoint_in_bfloat16_and_in_its_file(tmp_path):
+    import diffusers
+
+    import diffusers_offload_ext as doe
+
+    tiny.build("flux").to(torch.bfloat16).save_pretrained(tmp_path)
+    pipe = doe.load_file_backed(str(tmp_path))
+    plain = diffusers.FluxPipeline.from_pretrained(str(tmp_path))  # float32 by default: converted, anonymous
+    found = regions.Regions.read()
+    assert all(t.dtype == torch.bfloat16 and found.file_of(t.data_ptr()) for t in pipe.transformer.parameters())
+    assert not any(found.file_of(t.data_ptr()) for t in plain.transformer.parameters())

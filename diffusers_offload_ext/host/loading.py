@@ -40,7 +40,8 @@ def load_file_backed(path: str, *, pipeline_class=None, torch_dtype: Optional[to
             hub snapshot's folder).
         pipeline_class (`type`, *optional*): The pipeline class; defaults to the one `model_index.json` names.
         torch_dtype (`torch.dtype`, *optional*): Only the checkpoint's own floating dtype is accepted (a conversion
-            would copy every weight into anonymous memory); `None` keeps the checkpoint's.
+            would copy every weight into anonymous memory); `None`: each component's checkpoint's own (where
+            `from_pretrained` would load float32 by default).
         kwargs: Passed to the pipeline's `from_pretrained`; `variant`, `revision`, `use_safetensors` and
             `local_files_only` to each component's too.
 
@@ -63,11 +64,13 @@ def load_file_backed(path: str, *, pipeline_class=None, torch_dtype: Optional[to
     """
     index = _index(path)
     classes = _components(path, index)
-    _check_dtypes(path, classes, torch_dtype)
+    dtypes = {name: _stored_dtype(path, name) for name in classes}
+    _check_dtypes(dtypes, torch_dtype)
     loaded, kept = {}, {}
     shared = {key: kwargs[key] for key in COMPONENT_ARGUMENTS if key in kwargs}
     for name, cls in classes.items():
-        module = cls.from_pretrained(path, subfolder=name, torch_dtype=torch_dtype, **shared)
+        dtype = torch_dtype or dtypes[name]  # the checkpoint's own: a loader's default (float32) would convert
+        module = cls.from_pretrained(path, subfolder=name, torch_dtype=dtype, **shared)
         done = remap(module, os.path.join(path, name), Regions.read())
         if done.kept:
             kept[name] = done
@@ -107,16 +110,18 @@ def _components(path, index: dict) -> Dict[str, type]:
     return found
 
 
-def _check_dtypes(path, classes: Dict[str, type], torch_dtype: Optional[torch.dtype]) -> None:
+def _stored_dtype(path, name: str) -> Optional[torch.dtype]:
+    """The one floating dtype of component `name`'s checkpoint files, `None` where they hold several or none."""
+    stored = {s.dtype for items in stored_tensors(os.path.join(path, name)).values() for s in items}
+    floating = {dtype for dtype in stored if dtype.is_floating_point}
+    return floating.pop() if len(floating) == 1 else None
+
+
+def _check_dtypes(dtypes: Dict[str, Optional[torch.dtype]], torch_dtype: Optional[torch.dtype]) -> None:
     """`ValueError` where `torch_dtype` would convert a component whose floating weights are all of another dtype."""
     if torch_dtype is None:
         return
-    wrong = {}
-    for name in classes:
-        stored = {s.dtype for items in stored_tensors(os.path.join(path, name)).values() for s in items}
-        floating = {dtype for dtype in stored if dtype.is_floating_point}
-        if len(floating) == 1 and torch_dtype not in floating:
-            wrong[name] = str(floating.pop()).replace("torch.", "")
+    wrong = {n: str(d).replace("torch.", "") for n, d in dtypes.items() if d is not None and d != torch_dtype}
     if wrong:
         raise ValueError(
             f"`torch_dtype`={torch_dtype!r} would convert the weights of {wrong!r} (their checkpoints' dtypes), "
