@@ -17,7 +17,14 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_packages(include=["diffusers_offload_ext", "diffusers_offload_ext.*"]),
-    package_data={"diffusers_offload_ext.models": ["data/specs/*.json", "data/recorded/*.json", "data/blocks.json"]},
+    package_data={
+        "diffusers_offload_ext.models": [
+            "data/specs/*.json",
+            "data/recorded/*.json",
+            "data/blocks.json",
+            "data/activations.json",
+        ]
+    },
     python_requires=">=3.9",
     # Install torch first (on these machines `pip install torch==2.13.0`, a CPU build): the range below is then
     # satisfied and pip installs no other torch.

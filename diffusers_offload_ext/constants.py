@@ -22,6 +22,11 @@ STREAM = "stream"
 #: restarted to stream its blocks in less room.
 OUT_OF_MEMORY = "out-of-memory"
 
+#: The cause of an eviction the end of a call made (`TransferRecord.cause`), and of one made when offload is armed,
+#: by the chain and by the residency manager (its budget).
+END_OF_CALL = "end of call"
+ARMING = ("arming", "budget")
+
 #: In a recorded trace, the end of a pipeline call (`maybe_free_model_hooks()`).
 END = "<end of call>"
 

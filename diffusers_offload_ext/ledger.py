@@ -56,7 +56,11 @@ class TransferRecord(CopiedBytes):
         block (`str` or `None`): For a component that streams (larger than the room the budget left it), the block
             that moved (`"transformer_blocks.3"`, `"<rest>"`); `None` for a move of the whole component.
         cause (`str` or `None`): `"out-of-memory"` for a move an out-of-memory recovery forced (the evictions that
-            made room, a component restarted to stream in less room); `None` for a move the policy chose.
+            made room, a component restarted to stream in less room). Else, for an offload, why it was evicted:
+            `"room for X"` (component `X` was about to run: stock's chain evicting its predecessor, or the budget
+            making room), `"end of call"`, `"call start"`, `"budget"` (the residency manager armed, or armed again
+            with another budget), `"arming"` (offload armed), `"release"` (`doe.release`), `"offload requested"`
+            (the pipeline called the hook's `offload()`); `None` for onloads and other moves.
     """
 
     component: str
@@ -191,6 +195,7 @@ class Recorder:
         self.ledger = TransferLedger()
         self.observers: List[Callable] = []
         self.cause: Optional[str] = None
+        self.eviction: Optional[str] = None
 
     @contextlib.contextmanager
     def caused(self, cause: str):
@@ -201,6 +206,17 @@ class Recorder:
         finally:
             self.cause = previous
 
+    @contextlib.contextmanager
+    def evicting(self, cause: Optional[str]):
+        """Every offload recorded inside (not the onloads) is marked with `cause`, why it was evicted, unless a
+        `caused` cause is in force or an outer `evicting` gave one."""
+        previous = self.eviction
+        self.eviction = previous or cause
+        try:
+            yield
+        finally:
+            self.eviction = previous
+
     def record(
         self, name: str, direction: str, module, move: Callable[[], Tuple[int, str]], block: Optional[str] = None
     ) -> TransferRecord:
@@ -208,7 +224,8 @@ class Recorder:
         and give it to the observers."""
         finishers = [observer(name, direction, module) for observer in self.observers]
         nbytes, kind = move()
-        record = TransferRecord(name, direction, nbytes, self.calls.index, kind, self.calls.step, block, self.cause)
+        cause = self.cause or (self.eviction if direction == OFFLOAD else None)
+        record = TransferRecord(name, direction, nbytes, self.calls.index, kind, self.calls.step, block, cause)
         self.ledger.append(record)
         for finish in finishers:
             finish(record)

@@ -60,7 +60,7 @@ def parse_size(text: str) -> int:
         raise SizeError(text, f"not a number of bytes or a number with a unit ({UNIT_NAMES})")
     sign, mantissa, exponent, unit = match.groups()
     if unit.lower() not in UNITS:
-        raise SizeError(text, f"not a size: unknown unit {unit!r} (valid units: {UNIT_NAMES})")
+        raise SizeError(text, f"not a size: unknown unit {unit!r}{_unit_hint(text, unit)} (valid units: {UNIT_NAMES})")
     exponent = int(exponent or 0)
     if abs(exponent) > MAX_EXPONENT:
         raise SizeError(text, "too large" if exponent > 0 else "too small to be a size")
@@ -70,6 +70,15 @@ def parse_size(text: str) -> int:
     if value > MAX_BYTES:
         raise SizeError(text, f"too large (more than {format_size(MAX_BYTES)})")
     return int(value)
+
+
+def _unit_hint(text: str, unit: str) -> str:
+    """`: did you mean '16GiB'?` for a unit written as a prefix alone (`16G`, `16Gi`), else `""`."""
+    first = unit[:1].lower()
+    if unit.lower() not in ("k", "m", "g", "t", "ki", "mi", "gi", "ti"):
+        return ""
+    number = text.strip()[: len(text.strip()) - len(unit)].strip()
+    return f": did you mean '{number}{first.upper() if first != 'k' else 'K'}iB'?"
 
 
 def check_unit(value: object, argument: str, *, per: str = "", texts_only: bool = False) -> None:

@@ -101,7 +101,7 @@ def test_every_expert_of_wan_2_2_streams_with_its_own_kept_blocks():
 
     if not hasattr(diffusers, "WanTransformer3DModel"):  # the plan needs no Wan class; this check builds one on meta
         pytest.skip("this diffusers has no WanTransformer3DModel to build the expected blocks from (before 0.33)")
-    result = plan("wan2.2-t2v-a14b", vram="16GiB", generations=3)
+    result = plan("wan2.2-t2v-a14b", vram="16GiB", generations=3, reserve="3GiB")
     entry = result["block_residency"]
     sizes = {n: c["nbytes"] for n, c in result["components"].items()}
     assert set(entry["streaming"]) == {"transformer", "transformer_2"}
@@ -250,7 +250,12 @@ def test_seconds_use_each_strategy_s_bandwidth_and_hide_streamed_copies_behind_c
     others = sizes["text_encoder"] + sizes["text_encoder_2"] + sizes["vae"]
     pinned, pageable = 20e9, 10e9
     options = dict(
-        vram="16GiB", pinned_bandwidth="20GB/s", h2d_bandwidth="10GB/s", d2h_bandwidth="5GB/s", generations=2
+        vram="16GiB",
+        pinned_bandwidth="20GB/s",
+        h2d_bandwidth="10GB/s",
+        d2h_bandwidth="5GB/s",
+        generations=2,
+        reserve="3GiB",
     )
     copies = plan("flux-dev", **options)["block_residency"]
     rows = copies["rows"]
@@ -341,16 +346,16 @@ def test_the_static_block_optimum_is_within_one_block_of_brute_force(pairs, room
 
 # -- the command ---------------------------------------------------------------------------------------------------
 def test_the_cli_prints_block_residency_with_its_assumptions(capsys):
-    assert cli.main(["plan", "--model", "flux-dev", "--vram", "16GiB"]) == 0
+    assert cli.main(["plan", "--model", "flux-dev", "--vram", "16GiB", "--details"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "Block residency: the components do not fit" in out and "budget (as recommended)" in out
     assert "static block optimum (modelled)" in out and "sequential" in out and "group (block level)" in out
     assert "ASSUMED bandwidths, not measured: page-locked 22.35 GiB/s (--pinned-bandwidth)" in out
     assert "Seconds are the copies alone: no compute, nothing overlapped" in out
-    assert cli.main(["plan", "--model", "flux-dev", "--vram", "16GiB", "--step-seconds", "0.08"]) == 0
+    assert cli.main(["plan", "--model", "flux-dev", "--vram", "16GiB", "--step-seconds", "0.08", "--details"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "28 denoiser forwards x 0.08 s (--step-seconds" in out and "ASSUMED overlap" in out
-    assert cli.main(["plan", "--model", "flux-dev", "--vram", "80GiB"]) == 0
+    assert cli.main(["plan", "--model", "flux-dev", "--vram", "80GiB", "--details"]) == 0
     assert "Block residency" not in capsys.readouterr().out
     assert cli.main(["plan", "--model", "flux-dev", "--vram", "16GiB", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)

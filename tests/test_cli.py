@@ -54,14 +54,14 @@ def run_cli(capsys, *argv):
     return code, out, err
 
 
-def run_process(*argv, env=None, timeout=120):
+def run_process(*argv, env=None, timeout=120, module="diffusers_offload_ext.cli"):
     """The command in a fresh interpreter, stdout piped (as `| less` would), `COLUMNS` unset unless given."""
     environment = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     environment["PYTHONPATH"] = os.pathsep.join([ROOT] + sys.path)
     environment.update(env or {})
     started = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "diffusers_offload_ext.cli", *argv],
+        [sys.executable, "-m", module, *argv],
         capture_output=True,
         text=True,
         env=environment,
@@ -149,7 +149,7 @@ def test_plan_with_a_preview_an_fp8_transformer_and_two_bandwidths(capsys):
 def test_plan_residency_keeps_everything_that_fits(capsys):
     code, out, _ = run_cli(
         capsys, "plan", "--model", "flux-dev", "--steps", "4", "--generations", "3", "--preview", "--json",
-        "--dtype", "denoiser=fp8",
+        "--dtype", "denoiser=fp8", "--reserve", "3GiB",
     )  # fmt: skip
     assert code == 0
     result = json.loads(out)
@@ -238,7 +238,9 @@ def test_the_recommended_budget_is_rounded_down():
 
 
 def test_plan_table_output(capsys):
-    code, out, _ = run_cli(capsys, "plan", "--model", "flux-schnell", "--steps", "4", "--generations", "2")
+    code, out, _ = run_cli(
+        capsys, "plan", "--model", "flux-schnell", "--steps", "4", "--generations", "2", "--details"
+    )
     assert code == 0
     assert "FLUX.1 [schnell]" in out and "11,891,178,560" in out  # schnell has no guidance embedding
     for label, call in [
@@ -247,7 +249,7 @@ def test_plan_table_output(capsys):
         ("keep", "keep_on_device_during_generation=True"),
     ]:
         assert any(line.startswith(label) and call in line for line in out.splitlines()), label
-    assert "Recommended" in out and "ASSUMED" in out and "GiB" in out and " GB " not in out
+    assert "Use (" in out and "Runner-up (" in out and "ASSUMED" in out and "GiB" in out and " GB " not in out
 
 
 def test_every_shipped_model_has_a_valid_spec():
@@ -455,7 +457,7 @@ def test_output_fits_80_columns_when_piped_and_honours_columns(columns):
         widest = max(done.stdout.splitlines(), key=len)
         assert len(widest) <= limit, (argv, widest)
     # The strategies stay apart at 80 columns: short labels, each with its call in the legend.
-    done, _ = run_process("plan", "--model", "flux-dev", env=env)
+    done, _ = run_process("plan", "--model", "flux-dev", "--details", env=env)
     labels = [line.split()[0] for line in done.stdout.splitlines() if line.startswith(("stock ", "exclude ", "keep "))]
     assert set(labels) == {"stock", "exclude", "keep"}
 
@@ -464,7 +466,7 @@ def test_output_is_wider_when_columns_says_so(capsys, monkeypatch):
     from diffusers_offload_ext.cli import plan as plan_command
 
     result = plan("flux-dev")
-    narrow, wide = plan_command.render(result, 60), plan_command.render(result, 200)
+    narrow, wide = plan_command.render(result, 60, details=True), plan_command.render(result, 200, details=True)
     assert max(map(len, narrow)) <= 60 < max(map(len, wide)) and len(wide) < len(narrow)
     monkeypatch.setenv("COLUMNS", "132")
     assert cli.output.width() == 132
@@ -540,7 +542,7 @@ def test_demo(capsys):
     assert code == 0
     result = json.loads(out)
     configs = result["configurations"]
-    assert set(configs) == {"stock", "exclude_transformer", "keep_during_generation"}
+    assert set(configs) == {"stock", "exclude_transformer", "keep_during_generation", "memory_budget"}
     # Stock with a preview: text encoders, the VAE once, the transformer at each of the 3 steps.
     assert configs["stock"]["onloads_per_generation"] == 6
     assert configs["exclude_transformer"]["onloads_per_generation"] == 3
@@ -552,10 +554,21 @@ def test_demo(capsys):
     assert configs["exclude_transformer"]["real_bytes_at_enable"] == real["transformer"]
     assert configs["keep_during_generation"]["real_peak_bytes"] == sum(real.values())
     assert configs["stock"]["real_peak_bytes"] == real["transformer"] + real["vae"]
-    assert all(c["real_fits_24gib_card"] for c in configs.values())
+    assert all(c["real_fits_card"] for c in configs.values())
+    assert {c["real_card_bytes"] for k, c in configs.items() if k != "memory_budget"} == {24 * GiB}
+    # The budget (issue 34, point 7): the tiny pipeline keeps all but T5 between calls, so from the second call on
+    # only T5 moves; the real figures are the plan's on a 16 GiB card.
+    budget = configs["memory_budget"]
+    assert budget["tiny_bytes_per_generation"] < configs["exclude_transformer"]["tiny_bytes_per_generation"]
+    planned = plan("flux-dev", vram="16GiB", dtypes=["transformer=fp8"], steps=3, generations=2, preview=True)
+    assert (
+        budget["real_call"] == planned["strategies"]["residency"]["call"] and "memory_budget=" in budget["real_call"]
+    )
+    assert budget["real_card_bytes"] == 16 * GiB and budget["real_peak_bytes"] < 16 * GiB
     assert result["bandwidth"]["assumed"] is True
     code, out, _ = run_cli(capsys, "demo", "--steps", "2", "--generations", "1")
     assert code == 0 and "keep_on_device_during_generation=True" in out and "ASSUMED" in out
+    assert "memory_budget" in out and "transformers" not in out
     assert max(len(line) for line in out.splitlines()) <= 80
     assert not doe.is_installed()
 
@@ -603,8 +616,19 @@ def test_doctor(capsys, monkeypatch):
 def test_the_console_entry_point_and_the_module_agree():
     done, _ = run_process("plan", "--model", "nope", "--json")
     assert done.returncode == 2 and json.loads(done.stdout)["exit_code"] == 2
+    # `python -m diffusers_offload_ext` is the same command (issue 34, point 7).
+    done, _ = run_process("plan", "--model", "nope", "--json", module="diffusers_offload_ext")
+    assert done.returncode == 2 and json.loads(done.stdout)["exit_code"] == 2, done.stderr
     with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as f:
         assert '"diffusers-offload=diffusers_offload_ext.cli:main"' in f.read()
+
+
+def test_doctor_says_nothing_before_its_report():
+    """transformers warns at import when torchvision is missing (diffusers' pipelines import its image processors):
+    not a line about offload, and not the report's first (issue 34, point 7)."""
+    done, _ = run_process("doctor", "--no-bandwidth")
+    assert done.returncode == 0 and done.stdout.splitlines()[0] == "diffusers-offload doctor"
+    assert "transformers" not in done.stderr and "torchvision" not in done.stderr, done.stderr
 
 
 def test_bandwidth_measures_real_copies_on_the_simulated_accelerator():

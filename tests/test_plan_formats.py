@@ -71,3 +71,22 @@ def test_a_quantized_flux_fits_a_16_gib_card_where_bf16_does_not(capsys):
     assert not bf16["strategies"]["exclude_denoiser"]["fits_with_reserve"]
     assert quantized["strategies"]["exclude_denoiser"]["fits_with_reserve"]  # the transformer stays on the card
     assert quantized["block_residency"].get("needed") is False  # nothing streams
+
+
+def test_an_8_bit_component_is_held_where_it_is_loaded_never_moved(capsys):
+    """bitsandbytes 8-bit components cannot move (the runtime never moves them, `offload_status` says "cannot
+    move"): the plan holds T5 on the card, in every peak, and moves only the others (issue 34, point 4)."""
+    result = plan("flux-dev", vram="24GiB", dtypes=["transformer=nf4,text_encoder_2=int8"], reserve="3GiB")
+    sizes = {n: c["nbytes"] for n, c in result["components"].items()}
+    assert result["cannot_move"] == ["text_encoder_2"] and "text_encoder_2" not in result["call_trace"]
+    movable = sizes["text_encoder"] + sizes["transformer"] + sizes["vae"]
+    stock = result["strategies"]["stock"]
+    assert stock["mean_bytes_per_generation_including_setup"] == 2 * movable  # T5's bytes never cross
+    assert stock["peak_bytes"] == sizes["transformer"] + sizes["text_encoder_2"]
+    exclude = result["strategies"]["exclude_denoiser"]
+    assert exclude["setup_bytes"] == sizes["transformer"]
+    assert exclude["peak_bytes"] == sizes["transformer"] + sizes["text_encoder_2"] + sizes["text_encoder"]
+    # The budget counts it: the residency manager's policy gets what it leaves.
+    residency = result["strategies"]["residency"]
+    assert residency["budget_bytes"] == 21 * GiB - sizes["text_encoder_2"]
+    assert any("text_encoder_2" in note and "cannot move" in note for note in result["notes"])

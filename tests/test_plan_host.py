@@ -56,7 +56,9 @@ def test_16_gib_leave_the_transformer_in_its_file(plans):
     cycle = stream["streamed_bytes_per_forward"]
     assert host["reads_per_image"]["transformer"] == kept + cycle * stream["forwards_per_generation"]
     cache = host["page_cache_bytes"]
-    expected = 0 if kept + cycle <= cache else kept + cycle if cycle <= cache else host["reads_per_image"]["transformer"]
+    expected = (
+        0 if kept + cycle <= cache else kept + cycle if cycle <= cache else host["reads_per_image"]["transformer"]
+    )
     assert host["disk_reads_per_image_bytes"] == expected > 0
     assert size["transformer"] > host["budget_bytes"]
 
@@ -65,8 +67,11 @@ def test_the_screen_says_it_in_a_few_lines_and_json_has_it_all(capsys):
     code = cli.main(["plan", "--model", "flux-dev", "--ram", "32GiB"])
     out = capsys.readouterr().out
     assert code == 0
-    said = out[out.index("Host: 32.00 GiB of RAM (--ram)") :].strip().splitlines()
-    assert 2 <= len(said) <= 4 and "text_encoder_2" in out[out.index("Host:") :] and "ASSUMED" in said[-1]
+    said = out[out.index("Host: 32 GiB RAM (--ram)") :].split("\n\n")[0].splitlines()
+    assert len(said) <= 2 and "text_encoder_2" in said[-1] and "ASSUMED" in said[-1]  # two lines on the screen
+    assert cli.main(["plan", "--model", "flux-dev", "--ram", "32GiB", "--details"]) == 0
+    details = capsys.readouterr().out
+    assert "Host memory (--ram; GiB):" in details and "Model: the pipeline is loaded file-backed" in details
     assert cli.main(["plan", "--model", "flux-dev", "--ram", "64GiB", "--json"]) == 0
     host = json.loads(capsys.readouterr().out)["host"]
     assert host["ram_source"] == "--ram" and host["fits"] and host["disk_rate_source"] == "ASSUMED"

@@ -79,6 +79,8 @@ BAD = [
     (dict(memory_reserve="lots"), ValueError, r"`memory_reserve`"),
     (dict(memory_reserve=-5), ValueError, r"`memory_reserve` must not be negative"),
     (dict(memory_reserve=False), ValueError, r"not a bool"),
+    # A text without its unit: refused as for memory_budget, not read as 3 bytes (issue 34, point 5).
+    (dict(memory_reserve="3"), ValueError, r"`memory_reserve`: `3`: did you mean `'3GiB'`"),
     (dict(keep_on_device_between_generations="yes"), TypeError, r"`keep_on_device_between_generations`"),
     (dict(zero_copy_eviction=1), TypeError, r"`zero_copy_eviction`"),
     # Excluded components (transformer 320 + the class's safety_checker 32) alone exceed the budget.
@@ -109,6 +111,19 @@ def test_reserve_larger_than_the_device(installed, monkeypatch):
     with pytest.raises(ValueError, match=r"`memory_reserve` is 9.00 GiB .* more than the whole device"):
         pipe.enable_model_cpu_offload(device="cpu", keep_on_device_between_generations=True, memory_reserve="9GiB")
     assert not status(pipe).enabled
+
+
+def test_a_budget_larger_than_the_device_is_refused_at_enable(installed, monkeypatch):
+    """Not at the first call (issue 34, point 5): where the device's memory can be read, a `memory_budget` above it
+    is refused before anything changes, with a budget that fits suggested."""
+    monkeypatch.setattr(memory, "total_bytes", lambda device: 24 << 30)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 23 << 30)
+    pipe = build()
+    with pytest.raises(ValueError, match=r"`memory_budget` is 40.00 GiB .* more than the whole device .*'21GiB'"):
+        pipe.enable_model_cpu_offload(device="cpu", memory_budget="40GiB")
+    assert not status(pipe).enabled and not any(hasattr(m, "_hf_hook") for m in pipe.components.values())
+    pipe.enable_model_cpu_offload(device="cpu", memory_budget="20GiB")  # within the device: accepted
+    assert status(pipe).budget == 20 << 30
 
 
 def test_options_are_sticky_and_reset(installed):

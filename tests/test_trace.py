@@ -149,15 +149,18 @@ def test_a_move_outside_any_hook_is_observed_between_hooks():
     ]
 
 
-def test_stock_model_offload_on_the_cpu_is_replayed_from_its_chain_policy():
+def test_stock_model_offload_on_the_cpu_is_replayed_from_its_chain_policy(accelerator):
     pipe = toy.build()
     pipe.enable_model_cpu_offload(device="cpu")  # stock diffusers: nothing installed
     assert not doe.is_installed()
     with doe.trace(pipe) as recorded:
         for events in TRACES:
             pipe(events)
-    assert recorded.replayed and {r.source for r in recorded.records} == {"replayed"}
-    assert any("REPLAYED" in note for note in recorded.notes)
+    simulated = accelerator is not None  # `cpu:0` is a device apart: stock's moves are seen there, not replayed
+    assert recorded.replayed != simulated and {r.source for r in recorded.records} == {
+        "observed" if simulated else "replayed"
+    }
+    assert any("REPLAYED" in note for note in recorded.notes) != simulated
     sizes = {n: doe.module_nbytes(m) for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
     policy = doe.ChainPolicy(
         order=[n for n in toy.NAMES if n in sizes],
@@ -167,7 +170,9 @@ def test_stock_model_offload_on_the_cpu_is_replayed_from_its_chain_policy():
     )
     flat = [event for events in TRACES for event in list(events) + [doe.END]]
     expected = doe.replay(policy, flat, sizes, resident={"safety_checker"})
-    assert [(r.direction, r.component, r.nbytes) for r in recorded.records] == expected
+    # Observed, the class's round trip is not seen: stock moves it out and back inside one re-arm, between two looks.
+    seen = [m for m in expected if m[1] != "safety_checker"] if simulated else expected
+    assert [(r.direction, r.component, r.nbytes) for r in recorded.records] == seen
     # The extension with default options makes exactly these moves on the same traces.
     mixed = _mixed()
     ledger = doe.transfer_ledger(mixed)

@@ -150,3 +150,42 @@ def test_a_long_timeline_stays_readable(tmp_path):
     width, height = figure.get_size_inches()
     assert width <= 20 and height <= 12
     assert _ink(path) > 0.02
+
+
+def _lane_marks(figure, lane):
+    """The x extents of the 'component ran' bars and the x of the offload ticks drawn on lane `lane` of a timeline."""
+    from matplotlib.collections import PolyCollection
+    from matplotlib.colors import to_hex
+
+    from diffusers_offload_ext.observe.report.panel import OFFLOAD_COLOR, USE_COLOR
+
+    ax = figure.axes[0]
+    runs = []
+    for collection in ax.collections:
+        if isinstance(collection, PolyCollection) and to_hex(collection.get_facecolor()[0]) == USE_COLOR:
+            for path in collection.get_paths():
+                xs, ys = path.vertices[:, 0], path.vertices[:, 1]
+                if lane - 0.5 < ys.mean() < lane:
+                    runs.append((xs.min(), xs.max()))
+    offloads = [
+        line.get_xdata()[0]
+        for line in ax.lines
+        if len(line.get_xdata()) == 2 and line.get_color() == OFFLOAD_COLOR and line.get_ydata()[0] == lane
+    ]
+    return runs, offloads
+
+
+@pytest.mark.parametrize("build", ["replayed", "extension"])
+def test_the_timeline_draws_each_offload_after_the_run_before_it(build, replayed_trace, extension_trace):
+    """The VAE's end-of-call offload shares the 'after the loop' slot with its decode: the decode is drawn first."""
+    recorded = replayed_trace if build == "replayed" else extension_trace
+    figure = recorded.plot()
+    lane = len(recorded.components) - 1 - list(recorded.components).index("vae")
+    runs, offloads = _lane_marks(figure, lane)
+    assert runs and offloads
+    last_run, last_offload = max(runs), max(offloads)
+    assert last_run[1] <= last_offload, (last_run, last_offload)
+    # ... and every offload that follows a run in the same slot is drawn after that run ends.
+    for start, end in runs:
+        after = [x for x in offloads if x > start]
+        assert not after or min(after) >= end, ((start, end), after)

@@ -12,6 +12,7 @@ optional package). Importing this package loads neither torch nor diffusers; eac
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from typing import Optional, Sequence
@@ -29,18 +30,39 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with errors raised (so that `--json` can report them as JSON) and help as JSON under `--json`."""
+    """argparse, with errors raised (so that `--json` can report them as JSON), the nearest option or command
+    suggested for a mistyped one, and help as JSON under `--json`."""
 
     json_mode = False
+    #: Every option and command of the tool, for suggestions (set by `build_parser`).
+    known: Sequence[str] = ()
 
     def error(self, message: str):
-        raise UsageError(f"{message} (see {self.prog} --help)")
+        raise UsageError(f"{message}{suggestion(message, self.known)} (see {self.prog} --help)")
 
     def print_help(self, file=None) -> None:
         if self.json_mode:
             output.emit_json({"help": self.format_help()})
         else:
             super().print_help(file)
+
+
+def suggestion(message: str, known: Sequence[str]) -> str:
+    """`"; did you mean --vram?"` for argparse's message about an unknown option or command, else `""`."""
+    if "unrecognized arguments:" in message:
+        words = [w.split("=", 1)[0] for w in message.split("unrecognized arguments:", 1)[1].split() if w[:1] == "-"]
+    elif "invalid choice:" in message:
+        words = message.split("invalid choice:", 1)[1].split("'")[1:2]
+    else:
+        return ""
+    options = [k for k in known if k.startswith("-")] if words and words[0].startswith("-") else known
+    near = [difflib.get_close_matches(w, options, n=1, cutoff=0.6) for w in words]
+    hints = [(w, n[0]) for w, n in zip(words, near) if n]
+    if not hints:
+        return ""
+    if len(words) == 1:
+        return f"; did you mean {hints[0][1]}?"
+    return "; did you mean " + ", ".join(f"{n} for {w}" for w, n in hints) + "?"
 
 
 def build_parser(json_mode: bool = False) -> Parser:
@@ -53,8 +75,10 @@ def build_parser(json_mode: bool = False) -> Parser:
     commands.required = True
     for module in (plan, demo, doctor):
         module.add_parser(commands, common)
+    known = sorted({o for sub in [parser, *commands.choices.values()] for o in sub._option_string_actions})
     for sub in [parser, *commands.choices.values()]:
         sub.json_mode = json_mode
+        sub.known = known + sorted(commands.choices)
     return parser
 
 

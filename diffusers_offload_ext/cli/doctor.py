@@ -27,7 +27,8 @@ def add_parser(commands, common) -> None:
 
 
 def run(args) -> int:
-    report = doctor(measure=not args.no_bandwidth)
+    with output.quiet_transformers():
+        report = doctor(measure=not args.no_bandwidth)
     if args.json:
         output.emit_json(report)
     else:

@@ -1,9 +1,10 @@
 """What the CLI writes: plain-text tables and paragraphs that fit the terminal width (`COLUMNS`, 80 when piped), GiB
-for every size, one JSON document for `--json`, one-line errors; and checks of output paths. The only module that
-prints."""
+for every size, one JSON document for `--json`, one-line errors, and no import-time warnings of transformers; and
+checks of output paths. The only module that prints."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -123,3 +124,21 @@ def check_output_path(path: str, argument: str) -> str:
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise OutputPathError(f"{argument} {path}: not writable.")
     return path
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' warnings at import (a missing torchvision, when diffusers' pipelines are imported to read their
+    methods) silenced while the report is made: they are about transformers, not offload, and would open the
+    report. Without transformers, nothing to do."""
+    try:
+        from transformers.utils import logging as transformers_logging
+    except ImportError:
+        yield
+        return
+    before = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(before)

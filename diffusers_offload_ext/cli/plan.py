@@ -1,38 +1,49 @@
-"""`diffusers-offload plan`: predicted transfers of each offload strategy for a real model on a card, from the
-shipped model data (no weights, no pipeline run, no transformers needed)."""
+"""`diffusers-offload plan`: the offload call to use for a real model on a card, on one screen (whether it fits, bytes
+and seconds per image, the runner-up), from the shipped model data (no weights, no pipeline run, no transformers
+needed); `--details` adds every strategy's and block residency's tables."""
 
 from __future__ import annotations
 
 from typing import List
 
+from ..constants import GiB
 from ..models.bounds import MAX_GENERATIONS, MAX_STEPS, REPLAYED_GENERATIONS, format_rate
-from ..models.plan import DEFAULT_BANDWIDTH, DEFAULT_PINNED_BANDWIDTH, DEFAULT_RESERVE, DEFAULT_VRAM
-from ..models.host import DEFAULT_DISK_BANDWIDTH, host_line
-from . import output
+from ..models.request import DEFAULT_BANDWIDTH, DEFAULT_PINNED_BANDWIDTH, DEFAULT_RESERVE, DEFAULT_VRAM
+from ..models.host import DEFAULT_DISK_BANDWIDTH
+from . import output, plan_details, plan_host
 
-HELP = "predict the bytes each offload strategy moves per generation, and the call to use"
+HELP = "the offload call to use for a model on a card: whether it fits, bytes and seconds per image"
 ABOUT_SIZES = "Sizes in GiB (2^30 bytes)."
 
 
 def add_parser(commands, common) -> None:
     p = commands.add_parser("plan", parents=[common], help=HELP, description=HELP + ".")
-    p.add_argument("--model", help="a shipped model (see --list) or the path of a model spec JSON")
-    p.add_argument("--list", action="store_true", help="list the shipped models")
     p.add_argument(
-        "--vram", default=DEFAULT_VRAM, help=f"the card's memory, e.g. 24GiB, 80GB (default: {DEFAULT_VRAM})"
+        "--model",
+        help="a shipped model by name or Hugging Face Hub id, any case (flux-dev, black-forest-labs/FLUX.1-dev; "
+        "see --list), or the path of a model spec JSON",
     )
+    p.add_argument("--list", action="store_true", help="list the shipped models and their Hub ids")
+    p.add_argument(
+        "--vram",
+        default=DEFAULT_VRAM,
+        help=f"the card's memory, e.g. 24GiB (default: {DEFAULT_VRAM}); 24GB is read as 24 GiB, as cards are sold",
+    )
+    p.add_argument("--details", action="store_true", help="also print every strategy's and block residency's tables")
+    p.add_argument("--height", help="the call's height in pixels (default: the model's), which sizes the activations")
+    p.add_argument("--width", help="the call's width in pixels (default: the model's)")
+    p.add_argument("--frames", help="frames of a video call (default: the model's, e.g. 81 for Wan)")
     p.add_argument(
         "--reserve",
-        default=DEFAULT_RESERVE,
-        help="memory kept free for activations when checking what fits, ASSUMED when --activations is not given "
-        f"(default: {DEFAULT_RESERVE}, the runtime's memory_reserve for a call shape it has not seen)",
+        help="memory kept free for activations when checking what fits (default: the activations ESTIMATED for the "
+        f"call's size with the runtime's margin, or {DEFAULT_RESERVE} for a model without activation data)",
     )
     p.add_argument(
         "--activations",
         help="the activations of the call when known (e.g. 6GiB: `doe.offload_status(pipe).learnt` reports them "
         "after a call on the card): the reserve is then them and a margin, as the runtime learns it",
     )
-    p.add_argument("--steps", default="28", help=f"denoising steps per generation, 1 to {MAX_STEPS:,} (default: 28)")
+    p.add_argument("--steps", help=f"denoising steps per generation, 1 to {MAX_STEPS:,} (default: the model's)")
     p.add_argument(
         "--generations",
         default="10",
@@ -59,8 +70,8 @@ def add_parser(commands, common) -> None:
     p.add_argument(
         "--step-seconds",
         help="seconds one denoiser forward takes on the card without offload (measure it; e.g. seconds per image "
-        "without offload / steps): block residency then models seconds per image, streamed copies hidden behind "
-        "compute up to it (default: none, the copies alone)",
+        "without offload / steps): seconds per image then add the denoiser's compute, streamed copies hidden behind "
+        "it with prefetch (default: none, the copies alone)",
     )
     p.add_argument(
         "--dtype",
@@ -102,7 +113,7 @@ def run(args) -> int:
     from ..models import plan, shipped_models
     from ..models.errors import PlanError
     from ..models.host import parse_host
-    from ..models.plan import check_request
+    from ..models.request import check_request
 
     if args.list:
         return _list(args)
@@ -115,6 +126,9 @@ def run(args) -> int:
         pinned_bandwidth=args.pinned_bandwidth,
         step_seconds=args.step_seconds,
         activations=args.activations,
+        height=args.height,
+        width=args.width,
+        frames=args.frames,
         **bandwidths(args),
     )
     check_request(**request)  # bad numbers are reported before a missing --model
@@ -126,7 +140,7 @@ def run(args) -> int:
     if args.json:
         output.emit_json(result)
     else:
-        output.write(render(result, output.width()))
+        output.write(render(result, output.width(), details=args.details))
     return 0
 
 
@@ -141,183 +155,108 @@ def _list(args) -> int:
         output.emit_json({"models": models})
     else:
         columns = output.width()
-        rows = [[n, e["title"] or "", e["pipeline"] or ""] for n, e in models.items()]
-        output.write(output.table(["model", "title", "pipeline"], rows, columns, [False] * 3))
+        rows = [[n, e["repo"] or "", e["title"] or ""] for n, e in models.items()]
+        output.write(output.table(["model", "Hub id", "title"], rows, columns, [False] * 3))
     return 0
 
 
-def render(result: dict, columns: int) -> List[str]:
-    """The plan as text lines that fit in `columns`."""
+def render(result: dict, columns: int, details: bool = False) -> List[str]:
+    """The plan as text lines that fit in `columns`: the one screen (about 20 lines at 80 columns), after the tables
+    with `details`."""
+    lines = _header(result, columns)
+    if details:
+        lines += plan_details.render(result, columns) + [""] + plan_host.details(result["host"], columns) + [""]
+    summary = result["summary"]
+    if summary["use"] is None:
+        lines += [""] + output.wrap("Nothing fits: " + summary["nothing_fits"], columns, "  ")
+    else:
+        lines += [""] + _choice("Use", summary["use"], result, columns)
+    if summary["runner_up"] is not None:
+        lines += [""] + _choice("Runner-up", summary["runner_up"], result, columns)
+    lines += [""] + plan_host.short(result["host"], columns)
+    return lines + [""] + _footer(result, columns, details)
+
+
+def _header(result: dict, columns: int) -> List[str]:
     title = result["title"] or result["model"]
-    preview = "a preview decoded every step" if result["preview"] else "no preview"
+    shape = result["call_shape"]
+    size = f"{shape['width']}x{shape['height']}, " if shape["width"] else ""
+    size += f"{shape['frames']} frames, " if shape["frames"] else ""
+    preview = ", a preview decoded every step" if result["preview"] else ""
     lines = output.wrap(
-        f"{title} ({result['pipeline']}): {result['steps']} steps x {result['generations']} generations, {preview}. "
-        f"Card {output.gib(result['vram_bytes'])} GiB, {output.gib(result['reserve_bytes'])} GiB kept free for "
-        f"activations. {ABOUT_SIZES}",
+        f"{title} ({result['pipeline']}) on a {card(result['vram_bytes'])} GiB card: {size}{result['steps']} steps, "
+        f"{result['generations']} {_unit(result)}s in a row{preview}.",
         columns,
     )
-    lines += output.wrap(
-        f"Activations {result['activations']['note']}.",
-        columns,
-    )
-    lines += output.heading("Components (exact sizes from the shipped model data; no weights read):", columns)
-    rows = [
-        [name, c["class"], c["dtype"], f"{c['parameters']:,}", output.gib(c["nbytes"])]
-        for name, c in result["components"].items()
-    ]
-    headers = ["component", "class", "dtype", "parameters", "GiB"]
-    lines += output.table(headers, rows, columns, [False, False, False, True, True])
-    lines += output.heading("Predicted transfers, GiB over the bus (legend below):", columns)
-    lines += _strategy_table(result, columns)
-    lines += [""] + _legend(result, columns) + [""] + _blocks(result, columns) + _verdict(result, columns)
-    return lines + [""] + output.wrap(host_line(result["host"], output.gib), columns)
-
-
-def _strategy_table(result: dict, columns: int) -> List[str]:
-    headers = ["strategy", "setup", "first", "later", "mean", "s/gen*", "peak", "fits"]
-    rows = []
-    for entry in result["strategies"].values():
-        if not entry["available"]:
-            rows.append([entry["label"], "-", "-", "-", "-", "-", "-", "n/a"])
-            continue
-        fits = "yes" if entry["fits_with_reserve"] else "tight" if entry["fits_without_reserve"] else "no"
-        rows.append(
-            [
-                entry["label"],
-                output.gib(entry["setup_bytes"]),
-                output.gib(entry["first_generation_bytes_excluding_setup"]),
-                output.gib(entry["later_generation_bytes_mean"]),
-                output.gib(entry["mean_bytes_per_generation_including_setup"]),
-                f"{entry['seconds_at_assumed_bandwidth']['mean_per_generation_including_setup']:,.2f}",
-                output.gib(entry["peak_bytes"]),
-                fits,
-            ]
+    activations = result["activations"]
+    if activations["source"] == "estimated":
+        estimate = activations["estimate"]
+        part = "the VAE decode" if estimate["largest"] == "vae" else f"the {estimate['largest']}"
+        text = (
+            f"Activations ESTIMATED at {output.gib(estimate['bytes'])} GiB ({part}; from the shipped activation "
+            f"data); {output.gib(result['reserve_bytes'])} GiB kept free for them."
         )
-    return output.table(headers, rows, columns, [False] + [True] * 6 + [False])
-
-
-def _legend(result: dict, columns: int) -> List[str]:
-    label = max(len(e["label"]) for e in result["strategies"].values())
-    lines = []
-    for entry in result["strategies"].values():
-        first = f"{entry['label'].ljust(label)}  "
-        if entry["call"]:
-            lines += output.wrap_call(entry["call"], columns, first, output.hanging(columns, label + 6))
-        else:
-            lines += output.wrap(entry["reason"], columns, " " * (label + 2), first)
-    bandwidth = result["bandwidth"]
-    h2d, d2h = format_rate(bandwidth["h2d_bytes_per_s"]), format_rate(bandwidth["d2h_bytes_per_s"])
-    texts = [
-        "setup: moved once when offload is enabled. first: the first generation, setup excluded. later: the mean of "
-        "each later generation. mean: the setup and every generation, divided by the generations.",
-        f"* s/gen: the mean in seconds, priced at ASSUMED bandwidths of {h2d} host-to-device and {d2h} "
-        "device-to-host (not measured; set --h2d-bandwidth and --d2h-bandwidth: `diffusers-offload doctor` measures "
-        "them on a CUDA machine).",
-        "peak: most weights on the device at once. fits: yes = peak + reserve <= card; tight = peak <= card; "
-        "no = peak > card.",
-        f"Call trace: {len(result['call_trace'])} component uses per generation, {result['trace_source']}.",
-    ]
-    replay = next((e["replay"] for e in result["strategies"].values() if e["available"]), None)
-    if replay and replay["extrapolated"]:
-        texts.append(
-            f"Generations after the first {replay['replayed_generations']} are extrapolated from the period of the "
-            "replayed ones (see --help)."
-        )
-    for text in texts:
-        lines += output.wrap(text, columns, "  ")
+        if estimate["largest"] == "vae" and estimate["bytes"] > 4 * GiB:
+            text += " The VAE's tiling (pipe.vae.enable_tiling()) lowers them: then give --activations."
+    else:
+        text = f"Activations {activations['note']}."
+    lines += output.wrap(text, columns)
+    if result.get("vram_note"):
+        lines += output.wrap(f"Note: {result['vram_note']}.", columns)
     return lines
 
 
-def _blocks(result: dict, columns: int) -> List[str]:
-    """Block residency: nothing when every offloaded component fits the budget together; else how the components
-    larger than it stream, the static block optimum, and bytes and seconds beside sequential, group and stock."""
-    entry = result.get("block_residency") or {}
-    if not entry.get("needed"):
-        return []
-    lines = output.heading(
-        f"Block residency: the components do not fit the budget's {output.gib(max(entry['room_bytes'], 0))} GiB "
-        "together (block sizes from builds on the meta device; GiB per generation below):",
-        columns,
-    )
-    for name, stream in entry["streaming"].items():
-        lines += output.wrap(_streaming_text(name, stream), columns, "  ", "- ")
-    lines += output.wrap(_optimum_text(entry["optimum"]), columns, "  ", "- ")
-    headers = ["strategy", "first", "steady", "s first*", "s steady*", "fits"]
-    rows = []
-    for row in entry["rows"].values():
-        steady = row["steady_generation_bytes"]
-        fits = {True: "yes", False: "no", None: "-"}[row.get("fits")]
-        rows.append(
-            [
-                row["label"],
-                output.gib(row["first_generation_bytes"]),
-                "-" if steady is None else output.gib(steady),
-                f"{row['seconds_first']:,.2f}",
-                "-" if row["seconds_steady"] is None else f"{row['seconds_steady']:,.2f}",
-                fits,
-            ]
-        )
-    lines += output.table(headers, rows, columns, [False] + [True] * 4 + [False])
-    assumptions = entry["assumptions"]
-    rates = {k: format_rate(assumptions[f"{k}_bytes_per_s"]) for k in ("pinned", "pageable", "d2h")}
-    for text in (
-        "GiB per generation (one call, one image): first, and steady once the calls repeat. fits: the weights' "
-        "peak within the budget (stock: within the card); sequential and group offload hold about one block.",
-        f"* ASSUMED bandwidths, not measured: page-locked {rates['pinned']} (--pinned-bandwidth), pageable "
-        f"{rates['pageable']} host-to-device and {rates['d2h']} back: {assumptions['bandwidth']}.",
-        f"* {assumptions['overlap'][0].upper()}{assumptions['overlap'][1:]}.",
-    ):
-        lines += output.wrap(text, columns, "  ")
-    return lines + [""]
+def card(nbytes: int) -> str:
+    """A card's size in GiB as people say it: `"16"`, `"7.45"`."""
+    return f"{round(nbytes / GiB, 2):g}"
 
 
-def _streaming_text(name: str, stream: dict) -> str:
-    if not stream["available"]:
-        return stream["reason"] + "."
-    blocks = stream["blocks"]
-    total = len(blocks["resident"]) + len(blocks["streamed"])
-    return (
-        f"{name} ({output.gib(stream['component_bytes'])} GiB) does not fit and streams (budget row): "
-        f"{len(blocks['resident'])} of {total} blocks stay on the device while it runs "
-        f"({output.gib(stream['kept_bytes'])} GiB), the others pass through a ring of {stream['slots']} buffers "
-        f"({output.gib(stream['ring_bytes'])} GiB): {output.gib(stream['streamed_bytes_per_forward'])} GiB per "
-        f"forward, {stream['forwards_per_generation']} forward(s) per generation; "
-        f"{output.gib(stream['device_bytes'])} GiB on the device. "
-        + (
-            "Its kept blocks stay on the device between generations (only the others cross)."
-            if stream.get("kept_between_generations")
-            else "Its kept blocks are copied again at every generation (the other components need their room)."
-        )
-    )
+def _unit(result: dict) -> str:
+    return "video" if result["call_shape"].get("frames") else "image"
 
 
-def _optimum_text(optimum: dict) -> str:
-    if not optimum["available"]:
-        return f"Static block optimum: {optimum['reason']}."
-    kept = ", ".join(f"{n} {len(b['kept'])}/{b['of']}" for n, b in optimum["blocks"].items())
-    return (
-        "Static block optimum (modelled; the runtime does not do this): the blocks used most per generation kept "
-        f"for good across calls ({kept}: {output.gib(optimum['kept_bytes'])} GiB), one ring "
-        f"({output.gib(optimum['ring_bytes'])} GiB) for the others, streamed at each use: "
-        f"{output.gib(optimum['streamed_bytes_per_generation'])} GiB per generation. A static choice, not a bound: "
-        "where components run one after another, the runtime's loads per call can move less."
-    )
-
-
-def _verdict(result: dict, columns: int) -> List[str]:
-    lines = []
-    for note in result["notes"]:
-        lines += output.wrap(f"Note: {note}", columns, "  ")
-    recommended = result["recommended"]
-    if recommended is None:
-        return lines
-    lines += output.wrap_call(recommended["call"], columns, f"Recommended ({recommended['label']}): ", "  ")
-    if not recommended["with_reserve"]:
-        reserve = output.gib(result["reserve_bytes"])
+def _choice(heading: str, choice: dict, result: dict, columns: int) -> List[str]:
+    if not choice["available"]:
+        return output.wrap(f"{heading}: {choice['label']}, not available: {choice['reason']}.", columns, "  ")
+    size, reserve = card(result["vram_bytes"]), output.gib(result["reserve_bytes"])
+    peak = output.gib(choice["peak_bytes"])
+    verdict = {
+        "yes": f"fits: {peak} GiB of weights at most + {reserve} GiB kept free <= {size} GiB",
+        "tight": f"tight: {peak} GiB of weights fit {size} GiB, not with the {reserve} GiB kept free",
+        "no": f"does not fit: {peak} GiB of weights at once > {size} GiB",
+    }[choice["fits"]]
+    lines = output.wrap(f"{heading} ({choice['label']}; {verdict}):", columns, "  ")
+    lines += output.wrap_call(choice["call"], columns, "  ", "      ")
+    for name, stream in (choice.get("streams") or {}).items():
         lines += output.wrap(
-            f"(its peak fits only without the {reserve} GiB kept free for activations: expect it to be tight)",
+            f"{name} ({output.gib(stream['component_bytes'])} GiB) streams its blocks: {stream['kept']} of "
+            f"{stream['blocks']} stay on the card, the others pass through a ring of buffers.",
             columns,
             "  ",
             "  ",
         )
-    return lines
+    text = (
+        f"Per {_unit(result)}: {output.gib(choice['bytes_per_image'])} GiB over the bus, "
+        f"{choice['seconds_per_image']:,.2f} s"
+    )
+    faster = choice.get("faster")
+    if faster:
+        text += f"; {faster['seconds_per_image']:,.2f} s with {faster['options']} added"
+    if choice.get("reason") and heading != "Use":
+        text += f". Not recommended: {choice['reason']}"
+    return lines + output.wrap(text + ".", columns, "  ", "  ")
+
+
+def _footer(result: dict, columns: int, details: bool) -> List[str]:
+    bandwidth = result["bandwidth"]
+    rates = [format_rate(bandwidth[k]) for k in ("h2d_bytes_per_s", "d2h_bytes_per_s", "pinned_h2d_bytes_per_s")]
+    seconds = result["summary"]["seconds"]
+    lines = output.wrap(
+        f"{seconds[0].upper()}{seconds[1:]}: {rates[0]} host-to-device and {rates[1]} back from pageable memory, "
+        f"{rates[2]} page-locked (--h2d-bandwidth, --d2h-bandwidth, --pinned-bandwidth; `diffusers-offload doctor` "
+        "measures them on CUDA).",
+        columns,
+        "  ",
+    )
+    more = "--json: everything." if details else "--details: every strategy and block residency; --json: everything."
+    return lines + output.wrap(f"{ABOUT_SIZES} {more}", columns, "  ")

@@ -3,7 +3,8 @@ templates) and the transfer planner behind `diffusers-offload plan`. Importing i
 
 from .errors import MissingPackage, PlanError
 from .model import Model, load_model
-from .plan import DEFAULT_BANDWIDTH, DEFAULT_PINNED_BANDWIDTH, DEFAULT_RESERVE, DEFAULT_VRAM, plan
+from .plan import plan
+from .request import DEFAULT_BANDWIDTH, DEFAULT_PINNED_BANDWIDTH, DEFAULT_RESERVE, DEFAULT_VRAM
 from .specs import shipped_models
 
 __all__ = [

@@ -231,7 +231,7 @@ def comparison(loaded, request, call, moved: Mapping, optimum, items, denoisers,
     rows["budget_pinned"]["fits"] = rows["budget"]["fits"]
     if "optimum" in rows:
         rows["optimum"]["fits"] = optimum.device_bytes <= room
-    rows["stock"]["fits"] = moved["stock"].peak <= request.vram
+    rows["stock"]["fits"] = moved["stock"].peak + loaded.fixed_bytes <= request.vram
     return rows
 
 

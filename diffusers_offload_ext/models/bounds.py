@@ -4,7 +4,7 @@ rejects bad input with a `PlanError` naming the argument."""
 from __future__ import annotations
 
 import re
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 from ..units import SizeError, check_unit, format_size, parse_size
 from .errors import PlanError
@@ -55,6 +55,28 @@ def parse_bytes(value: Union[int, str], *, argument: str, allow_zero: bool = Fal
     if nbytes == 0 and not allow_zero:
         raise PlanError(f"{argument} must be more than 0 bytes, got {value!r}.", argument)
     return nbytes
+
+
+_DECIMAL_CARD = re.compile(r"^\s*([0-9.]+)\s*GB\s*$", re.IGNORECASE)
+
+
+def parse_card(value: Union[int, str], *, argument: str = "--vram") -> Tuple[int, Optional[str]]:
+    """A card's memory in `value`, and a note when it was read the way cards are sold: `"8GB"` is 8 GiB, since
+    cards sold as 8 GB have 8 GiB (8 x 2^30 bytes: an RTX 4060's 8,188 MiB, an A100 80GB's 81,920 MiB); `"8e9"` is
+    8 x 10^9 bytes.
+
+    Raises:
+        `PlanError`: as `parse_bytes`.
+    """
+    match = _DECIMAL_CARD.match(str(value)) if isinstance(value, str) else None
+    if match is None:
+        return parse_bytes(value, argument=argument), None
+    number = match.group(1)
+    note = (
+        f"{argument} {value.strip()} read as {number} GiB: cards sold as {number} GB have {number} GiB (write "
+        f"{number}e9 for {number} x 10^9 bytes)"
+    )
+    return parse_bytes(f"{number}GiB", argument=argument), note
 
 
 def parse_rate(value: Union[int, float, str], *, argument: str) -> int:

@@ -109,7 +109,7 @@ def host_plan(
         "disk_rate_source": "given" if disk_given else "ASSUMED",
         "disk_seconds_per_image": disk / disk_rate,
         "call": 'host_memory_budget="auto", pin_memory=True',
-        "model": __doc__.split("\n\n")[1].replace("\n", " "),
+        "model": __doc__.split("\n\n")[1].replace("\n", " ").split(": ", 1)[1],
     }
 
 

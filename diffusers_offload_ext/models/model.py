@@ -9,7 +9,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from ..layout import PipelineLayout
 from .errors import PlanError
 from .recorded import config_key, known_counts, load_recorded, recorded_for_pipeline
-from .sizes import describe, parse_dtype, parse_dtype_overrides
+from .sizes import CANNOT_MOVE, describe, parse_dtype, parse_dtype_overrides
 from .specs import load_spec, override_component
 from .traces import call_trace
 
@@ -25,6 +25,8 @@ class Model:
         components (`Dict[str, dict]`): Per component `class`, `dtype`, `parameters`, `elements`, `nbytes`.
         denoisers (`Tuple[str, ...]`): The components `exclude_from_offload` names in the planner's "exclude".
         trace_source (`str`): Where the template was recorded.
+        fixed (`Tuple[str, ...]`): Components that cannot move (bitsandbytes 8-bit, `int8`): out of the layout, held
+            on the device where they are loaded, counted in every peak and against the budget, never moved.
     """
 
     name: str
@@ -35,10 +37,16 @@ class Model:
     components: Dict[str, dict]
     denoisers: Tuple[str, ...]
     trace_source: str
+    fixed: Tuple[str, ...] = ()
 
     @property
     def sizes(self) -> Dict[str, int]:
         return {name: entry["nbytes"] for name, entry in self.components.items()}
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes of the components that cannot move, on the device all the time."""
+        return sum(self.components[name]["nbytes"] for name in self.fixed)
 
     def call_trace(self, steps: int, preview: bool = False) -> List[str]:
         """One call's component uses, restricted to the components of the layout."""
@@ -71,15 +79,26 @@ def load_model(model: str, dtypes: Sequence[str] = (), components: Sequence[str]
     missing = [n for n in layout.order if n not in described]
     if missing:
         raise PlanError(f"Model spec {spec['path']!r} has no components {missing} of {recorded['pipeline']}.")
+    fixed = tuple(n for n in layout.order if described[n]["dtype"] in CANNOT_MOVE)
     return Model(
         name=spec["name"],
         title=spec.get("title"),
         pipeline=recorded["pipeline"],
-        layout=layout,
+        layout=_without(layout, fixed),
         template=recorded["trace"],
         components={n: described[n] for n in spec["components"] if n in layout.order},
-        denoisers=tuple(n for n in denoisers if n in layout.order),
+        denoisers=tuple(n for n in denoisers if n in layout.order and n not in fixed),
         trace_source=f"the tiny {recorded['pipeline']} ({recorded['tiny']}) of the shipped model data",
+        fixed=fixed,
+    )
+
+
+def _without(layout: PipelineLayout, fixed: Sequence[str]) -> PipelineLayout:
+    """`layout` as offload sees it when `fixed` cannot move: without them (`layout.modules_of` leaves them out)."""
+    return PipelineLayout(
+        order=tuple(n for n in layout.order if n not in fixed),
+        sequence=tuple(n for n in layout.sequence if n not in fixed),
+        class_excluded=tuple(n for n in layout.class_excluded if n not in fixed),
     )
 
 

@@ -4,6 +4,7 @@ own layout), without torch."""
 
 from __future__ import annotations
 
+import difflib
 from typing import Dict, Mapping, NamedTuple, Optional
 
 from .errors import PlanError
@@ -69,6 +70,9 @@ FORMATS = {
     "q3_k": Format(256, 110, 0, 0, "GGUF Q3_K"),
     "q2_k": Format(256, 84, 0, 0, "GGUF Q2_K"),
 }
+#: Formats whose components cannot move (`layout.cannot_move`): bitsandbytes 8-bit leaves its row scales and matmul
+#: state where it was loaded, so the runtime never moves it; the planner holds it there.
+CANNOT_MOVE = ("int8",)
 #: `--dtype denoiser=...` names every denoiser of the model.
 DENOISER = "denoiser"
 
@@ -79,9 +83,18 @@ def parse_dtype(text: str, *, argument: str = "--dtype", formats: bool = True) -
     key = str(text).strip().lower()
     name = WEIGHT_DTYPES.get(key) or (key if formats and key in FORMATS else None)
     if name is None:
-        known = ", ".join([*WEIGHT_DTYPES, *(FORMATS if formats else ())])
-        raise PlanError(f"{argument}: unknown dtype {str(text)[:40]!r}; known: {known}.", argument)
+        choices = [*WEIGHT_DTYPES, *(FORMATS if formats else ())]
+        raise PlanError(
+            f"{argument}: unknown dtype {str(text)[:40]!r}{nearest(key, choices)}; known: {', '.join(choices)}.",
+            argument,
+        )
     return name
+
+
+def nearest(text: str, choices) -> str:
+    """`" (did you mean 'nf4'?)"` for the choice nearest `text`, else `""`."""
+    near = difflib.get_close_matches(str(text)[:40], list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 def parse_dtype_overrides(values, components, denoisers) -> Dict[str, str]:
@@ -98,8 +111,11 @@ def parse_dtype_overrides(values, components, denoisers) -> Dict[str, str]:
         name, dtype = (part.strip() for part in str(value).split("=", 1))
         names = list(denoisers) if name == DENOISER else [name]
         if name != DENOISER and name not in components:
-            known = ", ".join([*components, DENOISER])
-            raise PlanError(f"--dtype names unknown component {name[:40]!r}; known: {known}.", "--dtype")
+            choices = [*components, DENOISER]
+            raise PlanError(
+                f"--dtype names unknown component {name[:40]!r}{nearest(name, choices)}; known: {', '.join(choices)}.",
+                "--dtype",
+            )
         for target in names:
             overrides[target] = parse_dtype(dtype)
     return overrides

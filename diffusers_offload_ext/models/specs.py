@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import copy
+import difflib
+import functools
 import json
 import os
-from typing import List
+from typing import Dict, List
 
 from .errors import PlanError
 from .recorded import SPEC_DIR
@@ -21,6 +23,42 @@ MAX_FILE_BYTES = 4 << 20
 def shipped_models() -> List[str]:
     """Names of the shipped model specs."""
     return sorted(f[: -len(".json")] for f in os.listdir(SPEC_DIR) if f.endswith(".json"))
+
+
+@functools.lru_cache(maxsize=1)
+def model_names() -> Dict[str, str]:
+    """`{name as typed, lower case: shipped model}`: each shipped name and its Hugging Face Hub id
+    (`black-forest-labs/flux.1-dev` -> `flux-dev`)."""
+    names = {}
+    for name in shipped_models():
+        names[name.lower()] = name
+        repo = read_json(os.path.join(SPEC_DIR, f"{name}.json"), "model spec").get("repo")
+        if isinstance(repo, str):
+            names[repo.lower()] = name
+    return names
+
+
+def resolve_model(model: str) -> str:
+    """The shipped model `model` names (its name or Hub id, in any case), else `model` itself when it is a spec
+    file's path.
+
+    Raises:
+        `PlanError`: neither; the message suggests the nearest shipped name or Hub id.
+    """
+    text = str(model).strip()
+    shipped = model_names().get(text.lower())
+    if shipped is not None:
+        return shipped
+    if os.path.exists(text) or text.endswith(".json"):
+        return text
+    known = ", ".join(shipped_models())
+    near = difflib.get_close_matches(text.lower(), list(model_names()), n=1, cutoff=0.5)
+    hint = f" Did you mean {model_names()[near[0]]!r}?" if near else ""
+    raise PlanError(
+        f"Unknown model {text[:60]!r}: not a shipped model, nor its Hugging Face Hub id, nor a spec file.{hint} "
+        f"Shipped models: {known} (`diffusers-offload plan --list` shows their Hub ids); or pass a spec path.",
+        "--model",
+    )
 
 
 def read_json(path: str, what: str, argument: str = "--model") -> dict:
@@ -48,7 +86,7 @@ def read_json(path: str, what: str, argument: str = "--model") -> dict:
 
 
 def load_spec(model: str) -> dict:
-    """The spec of `model`: a shipped name or the path of a spec JSON file.
+    """The spec of `model`: a shipped name or Hub id (`resolve_model`) or the path of a spec JSON file.
 
     A spec is `{"name", "title", "pipeline", "tiny", "denoisers", "components": {name: {"class", "library",
     "dtype", "config" or "config_path"}}}`; `config_path` (relative to the spec file) points to a model's own
@@ -57,14 +95,9 @@ def load_spec(model: str) -> dict:
     Raises:
         `PlanError`: unknown name, unreadable or malformed file.
     """
+    model = resolve_model(model)
     shipped = os.path.join(SPEC_DIR, f"{model}.json")
-    if model in shipped_models():
-        path = shipped
-    elif model.endswith(".json") or os.sep in model or os.path.exists(model):
-        path = model
-    else:
-        known = ", ".join(shipped_models())
-        raise PlanError(f"Unknown model {model[:60]!r}. Known models: {known}; or pass a spec path.", "--model")
+    path = shipped if model in shipped_models() else model
     spec = read_json(path, "model spec")
     base = os.path.dirname(os.path.abspath(path))
     components = spec.get("components")

@@ -86,12 +86,18 @@ def largest_offloaded(layout: PipelineLayout, sizes: Mapping[str, int]) -> Optio
 
 
 def all_strategies(
-    layout: PipelineLayout, sizes: Mapping[str, int], denoisers: Sequence[str], budget: Optional[int]
+    layout: PipelineLayout,
+    sizes: Mapping[str, int],
+    denoisers: Sequence[str],
+    budget: Optional[int],
+    held: int = 0,
 ) -> Dict[str, Strategy]:
     """Every strategy with a fresh policy; the residency manager (its budget rounded down to 0.1 GiB) only when
-    `budget` leaves room for weights."""
+    `budget` leaves room for weights. `held`: bytes of components that cannot move, on the device all the time: the
+    budget counts them, so its policy gets what they leave (its `budget` field)."""
     strategies = chain_strategies(layout, denoisers)
     if budget is not None and budget > 0:
         text, nbytes = budget_option(budget)
-        strategies["residency"] = residency_strategy(layout, sizes, nbytes, f'"{text}"')
+        residency = residency_strategy(layout, sizes, max(nbytes - held, 0), f'"{text}"')
+        strategies["residency"] = residency._replace(budget=max(nbytes - held, 0))
     return strategies

@@ -50,17 +50,10 @@ def resolve_budget(
         `(Optional[int], bool)`: the budget in bytes (`None`: unlimited) and whether it is the automatic one.
 
     Raises:
-        `ValueError`: `memory_reserve` larger than the device, or the excluded components alone larger than an explicit
-            `memory_budget`.
+        `ValueError`: `memory_reserve` or an explicit `memory_budget` larger than the device, or the excluded components
+            alone larger than an explicit `memory_budget`.
     """
-    total = memory.total_bytes(device)
-    if total is not None and options.memory_reserve > total:
-        reserve = options.memory_reserve
-        raise ValueError(
-            f"`{RESERVE}` is {format_size(reserve)} ({reserve} bytes), more than the whole device {device} has "
-            f"({format_size(total)}). Pass a smaller reserve, for example `{RESERVE}='3GiB'`, or an explicit "
-            f"`{BUDGET}`."
-        )
+    _check_against_device(options, device)
     reserve = options.memory_reserve if reserve is None else reserve
     stays_bytes = sum(stays.values())
     fixed = dict(fixed or {})
@@ -94,6 +87,27 @@ def resolve_budget(
         )
         budget = stays_bytes
     return budget, True
+
+
+def _check_against_device(options: OffloadOptions, device: torch.device) -> None:
+    """`memory_reserve` and an explicit `memory_budget` each fit the whole device, where its memory can be read."""
+    total = memory.total_bytes(device)
+    if total is not None and options.memory_reserve > total:
+        reserve = options.memory_reserve
+        raise ValueError(
+            f"`{RESERVE}` is {format_size(reserve)} ({reserve} bytes), more than the whole device {device} has "
+            f"({format_size(total)}). Pass a smaller reserve, for example `{RESERVE}='3GiB'`, or an explicit "
+            f"`{BUDGET}`."
+        )
+    if total is not None and options.memory_budget is not None and options.memory_budget > total:
+        budget = options.memory_budget
+        raise ValueError(
+            f"`{BUDGET}` is {format_size(budget)} ({budget} bytes), more than the whole device {device} has "
+            f"({format_size(total)}): the weights it allows would not fit, let alone the activations beside them. "
+            f"Pass at most the device's memory less what the activations need, for example `{BUDGET}="
+            f"'{max(total - options.memory_reserve, 0) // (1 << 30)}GiB'`, or leave `{BUDGET}` out (`\"auto\"`) for "
+            "the automatic budget."
+        )
 
 
 def component_limits(

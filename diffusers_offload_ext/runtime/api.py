@@ -8,9 +8,11 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 from ..layout import cannot_move
 from ..ledger import TransferLedger
 from ..marks import get_session, host_side
+from ..constants import OFFLOAD
 from ..transfer import ON_DEVICE
 from ..recovery.activations import LearntShape
 from ..blocks.streams import BlockStatus
+from . import status_text
 from .session import session_of
 from ..host.account import HostBytes, total
 from .host import host_tensors
@@ -95,7 +97,9 @@ class ComponentStatus(NamedTuple):
         pinned_bytes (`int`): Bytes of its host memory page-locked (`pin_memory`).
         blocks (`BlockStatus` or `None`): While it streams (it is larger than the room the memory budget leaves it):
             which blocks are resident, which stream, the ring and the bytes streamed per forward; `None` otherwise.
-        why (`str`): For the role `"cannot move"`, why not; empty otherwise.
+        why (`str`): Why it is where it is, in the options' words (`"kept on the device within memory_budget"`,
+            `"evicted (room for transformer); loaded again when it runs"`: the `cause` of its last eviction in the
+            ledger); for the role `"cannot move"`, why it cannot.
         host (`HostBytes` or `None`): Under a host budget (`host_memory_budget`), its host memory by kind:
             `page_locked`, `anonymous` (both counted by the budget) and `file_backed` (views of its checkpoint files,
             which the kernel may drop and read again); its host copy while it is on the device. `None` without one.
@@ -124,7 +128,8 @@ class OffloadStatus(NamedTuple):
         resident_bytes (`int`): Bytes of the components on the device (of a streaming component, its resident blocks
             and its ring).
         budget (`int` or `None`): The residency manager's budget in bytes (`None`: unlimited or not in force).
-        chain (`Tuple[str, ...]`): The chain of `model_cpu_offload_seq`, as armed.
+        chain (`Tuple[str, ...]`): The components of `model_cpu_offload_seq` present, in order, the excluded ones
+            included (one still evicts its predecessor when it runs).
         calls (`int`): Pipeline calls started since the session began.
         in_call (`bool`): A pipeline call is in progress.
         recent_calls (`List[Tuple[str, ...]]`): Components used by the last completed calls, oldest first.
@@ -158,6 +163,10 @@ class OffloadStatus(NamedTuple):
     host_budget: Optional[int] = None
     host_bytes: Optional[HostBytes] = None
 
+    def __str__(self) -> str:
+        """A table: the call in force, the budget, and per component where it is, its bytes, blocks and why."""
+        return status_text.render(self)
+
 
 def offload_status(pipe) -> OffloadStatus:
     """What this extension's offload holds for `pipe` now. Reading it changes nothing.
@@ -184,12 +193,16 @@ def offload_status(pipe) -> OffloadStatus:
     session = get_session(pipe)
     if session is None or session.transfer is None:
         return OffloadStatus(False, None, None, {}, 0, None, (), 0, False, [], {})
-    fixed = session.placement.fixed
+    fixed, evicted = session.placement.fixed, _last_evictions(session)
     keeper = host_side(session)
     budgeted = keeper is not None and keeper.plan is not None
     host = keeper.read(host_tensors(session.modules, session.transfer.book)) if budgeted else {}
     components = {
-        name: _fixed(session, name) if name in fixed else _component(session, name)._replace(host=host.get(name))
+        name: (
+            _fixed(session, name)
+            if name in fixed
+            else _component(session, name, evicted.get(name))._replace(host=host.get(name))
+        )
         for name in pipe.components
         if name in session.modules or name in fixed
     }
@@ -201,7 +214,7 @@ def offload_status(pipe) -> OffloadStatus:
         components=components,
         resident_bytes=sum(c.blocks.device_bytes if c.blocks else c.nbytes for c in components.values() if c.resident),
         budget=session.budget if session.options.residency else None,
-        chain=tuple(session.arrangement.chain) if session.arrangement is not None else (),
+        chain=tuple(session.layout.arrange().chain) if session.layout is not None else (),
         calls=session.calls.started,
         in_call=session.calls.in_call,
         recent_calls=list(session.calls.history),
@@ -225,7 +238,12 @@ def _policy_kind(policy) -> Optional[str]:
     return getattr(policy, "kind", None) or type(policy).__name__.replace("Policy", "").lower()
 
 
-def _component(session, name: str) -> ComponentStatus:
+def _last_evictions(session) -> Dict[str, Optional[str]]:
+    """The `cause` of each component's last offload in the ledger's records."""
+    return {r.component: r.cause for r in session.ledger.records if r.direction == OFFLOAD and r.block is None}
+
+
+def _component(session, name: str, evicted: Optional[str] = None) -> ComponentStatus:
     module, entry = session.modules[name], session.entries[name]
     arrangement = session.arrangement
     if name in arrangement.excluded:
@@ -236,14 +254,16 @@ def _component(session, name: str) -> ComponentStatus:
         role = "kept"
     else:
         role = "chain" if name in arrangement.chain else "outside chain"
+    blocks, resident = session.streams.status(name), name in session.resident
     return ComponentStatus(
         nbytes=session.facts.sizes[name],
-        resident=name in session.resident,
+        resident=resident,
         where=session.transfer.locate(module),
         role=role,
         host_copy=entry.host_copy is not None,
         pinned_bytes=session.transfer.pinning.bytes_of(module) if session.transfer.pinning is not None else 0,
-        blocks=session.streams.status(name),
+        blocks=blocks,
+        why=status_text.why(role, resident, blocks is not None, session.options.residency, evicted),
     )
 
 

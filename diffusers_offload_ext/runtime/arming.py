@@ -24,6 +24,7 @@ from . import host as host_plan
 from .options import OffloadOptions, resolve_options
 from .placement import Sizes
 from ..recovery.measuring import expect
+from . import status_text
 from .session import Session, session_of
 
 logger = logging.get_logger(f"diffusers.{__name__}")
@@ -148,6 +149,7 @@ def arm(pipe, arming: Arming) -> Session:
             "page-locked memory can be copied while compute runs. Pass `pin_memory=True` to require it."
         )
     quiet_sub_pipelines(pipe)
+    before = (session.active, session.arming)
     STOCK["remove_all_hooks"](pipe)
     session.exclusion.restore(pipe)
     host_plan.carry_out(arming.host, pipe, arming.device)
@@ -158,6 +160,8 @@ def arm(pipe, arming: Arming) -> Session:
     pipe._offload_gpu_id, pipe._offload_device = arming.index, arming.device
     session.exclusion.apply(pipe, arming.user_excluded, arming.arrangement.excluded)
     session.armed(attach(pipe, session))
+    if before != (True, arming):  # a new arming, not the same again
+        logger.info(status_text.arming_line(arming, dict(session.facts.sizes), session.placement.fixed_sizes()))
     return session
 
 

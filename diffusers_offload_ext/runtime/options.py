@@ -142,13 +142,16 @@ OPTIONS: Tuple[Option, ...] = (
         field="prefetch",
         values="`bool`",
         summary="With the manager on: the next predicted component's onload starts while the current one runs, on a "
-        'CUDA copy stream, from page-locked memory (`pin_memory` not set: `"auto"`; `False` raises).',
+        'CUDA copy stream, from page-locked memory (`pin_memory` not set: `"auto"`; `False` raises). `True` without '
+        "the manager raises a `ValueError`.",
         doc="""With the residency manager: while a component runs, start the onload of the one the previous call ran
             next, on a CUDA copy stream, when the budget has room for both (counted from that moment); the compute
             stream waits for it before that component runs. Only page-locked host memory can be copied while compute
             runs: with `pin_memory` not set it is `"auto"` (one info line says so), and `pin_memory=False` raises a
-            `ValueError`. Elsewhere onloads stay as they are. While the manager is off it has no effect and stays
-            set: it acts again when the manager is on. Opt-in until measured on a GPU.""",
+            `ValueError`. Elsewhere onloads stay as they are. `prefetch=True` given while the manager is off (no
+            `memory_budget`, no `keep_on_device_between_generations=True` in the same call or before) raises a
+            `ValueError`; set before and the manager switched off, it has no effect and stays set: it acts again when
+            the manager is on. Opt-in until measured on a GPU.""",
     ),
     Option(
         "host_memory_budget", SIZE, "`int` or `str`", "`None`: no host budget", check.host_size, check.host_merge,

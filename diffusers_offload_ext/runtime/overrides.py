@@ -16,6 +16,7 @@ from diffusers import DiffusionPipeline
 
 from ..marks import ADAPTED, get_session
 from . import methods
+from .combined import is_combined, sub_pipelines
 from .options import NEW_OPTIONS, signature, take
 
 
@@ -60,7 +61,9 @@ def adapt(original):
         given = [name for name in NEW_OPTIONS if options.get(name) is not None]
         if not given and (session is None or not session.active):
             stock = {k: v for k, v in (("gpu_id", gpu_id), ("device", device)) if v is not None and k in accepted}
-            return original(self, **stock)
+            result = original(self, **stock)
+            _remember_device(self)
+            return result
         supported, reason = support(type(self))
         if not supported:
             raise TypeError(
@@ -76,3 +79,12 @@ def adapt(original):
     enable_model_cpu_offload.__signature__ = signature(enable_model_cpu_offload)
     setattr(enable_model_cpu_offload, ADAPTED, original)
     return enable_model_cpu_offload
+
+
+def _remember_device(pipe) -> None:
+    """After a combined pipeline's own method (it enables its sub-pipelines), the device they chose, on it too: a
+    later enable with a new option and no `device` keeps it, as for every other pipeline."""
+    for _, sub in sub_pipelines(pipe) if is_combined(pipe) else ():
+        if getattr(sub, "_offload_device", None) is not None:
+            pipe._offload_device, pipe._offload_gpu_id = sub._offload_device, getattr(sub, "_offload_gpu_id", None)
+            return

@@ -10,7 +10,7 @@ import torch
 from diffusers.utils import logging
 
 from ..calls import CallTracker
-from ..constants import OFFLOAD, ONLOAD, PREFETCH, STREAM
+from ..constants import ARMING, END_OF_CALL, OFFLOAD, ONLOAD, PREFETCH, STREAM
 from ..ledger import Recorder
 from ..marks import SESSION_ATTR, get_session
 from ..policies import NOTHING, Decision, Facts, Policy
@@ -71,9 +71,8 @@ class Session:
 
     # -- arming -------------------------------------------------------------------------------------------------------
     def adopt(self, arming, modules: Dict[str, torch.nn.Module], fixed: Optional[Dict] = None) -> None:
-        """Take `arming` (`arming.py`) over `modules`, the components as they are now (and `fixed`, those that cannot
-        move): the transfer, where each one is, the stream rooms. Then come the policy (`decide_with`), the hooks
-        (`armed`), the moves (`rearm`...)."""
+        """Take `arming` over `modules` as they are now (and `fixed`, those that cannot move): the transfer, where each
+        one is, the stream rooms. Then come the policy (`decide_with`), the hooks (`armed`), the moves (`rearm`...)."""
         self.stop_moving()
         self.transfer = _transfer_for(self, arming)
         stays = set(arming.arrangement.excluded) | set(arming.arrangement.round_trip)
@@ -86,8 +85,7 @@ class Session:
         self.placement.measure_streams(list(arming.arrangement.hooked) if arming.options.residency else [])
 
     def decide_with(self, policy: Policy, capacity: Optional[Callable] = None, arming=None) -> None:
-        """`policy` decides from now on, told the facts (sizes, the device's `capacity`, the stream rooms); `arming`
-        replaces the one in force (the automatic budget changed)."""
+        """`policy` decides from now on, told the facts (sizes, `capacity`, stream rooms); `arming` replaces the last."""
         self.arming = arming or self.arming
         self.policy = policy
         self.facts = self.facts._replace(sizes=Sizes(self.placement, self.transfer), capacity=capacity)
@@ -130,7 +128,7 @@ class Session:
         self.activations.close(self.device)
         decision = self.policy.on_use(name, placement.resident, self.facts)
         if decision is not NOTHING:
-            self.carry_out(decision)
+            self.carry_out(decision, f"room for {name}")
         if self.transfer.pending:
             self.transfer.ready(placement.modules[name])
         self.activations.open(self.device, lambda: held_bytes(self), name)
@@ -138,13 +136,13 @@ class Session:
     def request_offload(self, name: str) -> None:
         """Pipeline code called the component's `hook.offload()`."""
         if self.policy is not None and name in self.modules:
-            self.carry_out(self.policy.on_offload_request(name, self.resident, self.facts))
+            self.carry_out(self.policy.on_offload_request(name, self.resident, self.facts), "offload requested")
 
     def release(self) -> int:
         """`doe.release(pipe)`: every offloaded component evicted now; returns the bytes evicted."""
         self.placement.recheck_all(self.transfer)
         before = len(self.ledger)
-        self.carry_out(self.policy.on_release(self.resident, self.facts))
+        self.carry_out(self.policy.on_release(self.resident, self.facts), "release")
         return sum(record.nbytes for record in self.ledger.records[before:])
 
     def component_left(self, name: str, module: torch.nn.Module) -> None:
@@ -172,7 +170,7 @@ class Session:
         self.placement.recheck_all(self.transfer)
         for name in [n for n in self.modules if n not in self.policy.hooked and n not in self.resident]:
             self.move(name, ONLOAD)
-        self.carry_out(self.policy.on_call_start(self.calls))
+        self.carry_out(self.policy.on_call_start(self.calls), "call start")
 
     def end_of_call(self, failed: bool) -> None:
         """The end of the call in progress, once per call (`maybe_free_model_hooks()`, or the call guard when the call
@@ -182,15 +180,16 @@ class Session:
         self.calls.end_trace(failed)
         self.activations.end(self.device, failed)
         if self.hooks:
-            _end_streams(self, failed)
-            self.carry_out(self.policy.on_call_end(self.resident, self.facts))
+            with self.recorder.evicting(END_OF_CALL):
+                _end_streams(self, failed)
+            self.carry_out(self.policy.on_call_end(self.resident, self.facts), END_OF_CALL)
         self.streams.end_call(failed)
 
     def rearm(self) -> None:
         """Offload armed again, not at a call's end (an enable; `maybe_free_model_hooks()` outside a call or after its
         end): streaming components stop, then the policy's arming moves."""
         self.stop_streams()
-        self.carry_out(self.policy.on_enable(self.resident, self.facts))
+        self.carry_out(self.policy.on_enable(self.resident, self.facts), ARMING[self.options.residency])
 
     def leave_call(self, failed: bool) -> None:
         """A pipeline call returned or raised, its end already made."""
@@ -200,16 +199,17 @@ class Session:
             sharing.running.remove(self)
 
     # -- moves ------------------------------------------------------------------------------------------------------
-    def carry_out(self, decision: Decision) -> None:
-        for direction, name in decision.moves:
-            if direction != STREAM:
-                self.move(name, direction)
-                continue
-            module = self.modules[name]
-            if self.streams.begin(name, module, decision.overflow, self.transfer, self.options.drops):
-                self.placement.placed(module, True)
-            else:
-                self.move(name, ONLOAD)  # it cannot stream: loaded whole, alone
+    def carry_out(self, decision: Decision, cause: Optional[str] = None) -> None:
+        with self.recorder.evicting(cause):  # the offloads' `cause` in the ledger
+            for direction, name in decision.moves:
+                if direction != STREAM:
+                    self.move(name, direction)
+                    continue
+                module = self.modules[name]
+                if self.streams.begin(name, module, decision.overflow, self.transfer, self.options.drops):
+                    self.placement.placed(module, True)
+                else:
+                    self.move(name, ONLOAD)  # it cannot stream: loaded whole, alone
 
     def stop_streams(self) -> None:
         """Every streaming component back on the host."""

@@ -113,6 +113,9 @@ def host_size(argument: str, value: Any, components=None) -> Union[int, str]:
 
 
 def reserve(argument: str, value: Any, components=None) -> int:
+    """`size`; a text without a unit under 1 MiB (`memory_reserve="3"`) is refused as a unit left out, as for
+    `memory_budget`."""
+    check_unit(value, argument, texts_only=True)
     return size(argument, value, components, example="3GiB")
 
 

@@ -32,6 +32,7 @@ class Panel(NamedTuple):
     start: float
     end: float
     x_mode: str
+    use_width: Tuple[float, ...] = ()
 
 
 def place(trace, x_mode: str) -> Panel:
@@ -43,8 +44,19 @@ def place(trace, x_mode: str) -> Panel:
             names.append(record.component)
     lane = {name: len(names) - 1 - i for i, name in enumerate(names)}
     if x_mode == "step":
-        record_x, use_x, loop_start, call_span, end = step_axis(trace)
-        return Panel(names, lane, record_x, use_x, loop_start, call_span, 0.0, end, x_mode)
+        axis = step_axis(trace)
+        return Panel(
+            names,
+            lane,
+            axis.record_x,
+            axis.use_x,
+            axis.loop_start,
+            axis.call_span,
+            0.0,
+            axis.end,
+            x_mode,
+            axis.use_width,
+        )
     record_x = [r.t - (r.duration_s or 0.0) / 2 for r in trace.records]
     use_x = [u.t for c in trace.calls for u in c.uses]
     call_span = {c.index: (c.start, c.end if c.end is not None else c.start) for c in trace.calls}
@@ -96,13 +108,14 @@ def draw_resident(ax, trace, panel: Panel) -> None:
 
 
 def draw_uses(ax, trace, panel: Panel) -> None:
-    """Component runs: in step mode a dark segment under the lane for each slot it ran in; in time mode a tick."""
+    """Component runs: in step mode a dark segment under the lane in its part of the slot it ran in (moves and runs
+    share a slot in the order they happened); in time mode a tick."""
     uses = [(u.component, xpos) for u, xpos in zip([u for c in trace.calls for u in c.uses], panel.use_x)]
     if uses and panel.x_mode == "step":
         for name in panel.names:
-            slots = sorted({xpos for component, xpos in uses if component == name})
-            if slots:
-                bars = [(xpos + 0.08, 0.84) for xpos in slots]
+            parts = sorted({(x, w) for (component, x), w in zip(uses, panel.use_width) if component == name})
+            if parts:
+                bars = [(x - 0.42 * w, 0.84 * w) for x, w in parts]
                 ax.broken_barh(bars, (panel.lane[name] - 0.45, 0.07), facecolors=USE_COLOR, zorder=2)
     elif uses:
         xs = [xpos for _, xpos in uses]

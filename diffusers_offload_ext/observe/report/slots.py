@@ -1,6 +1,6 @@
 """The step axis of a timeline: each call gets a slot before its loop, one per denoising step and one after it;
-moves outside calls get a slot before the call that follows them (or at the end); several events in one slot are
-spread across it."""
+moves outside calls get a slot before the call that follows them (or at the end); the events of one slot (moves and
+component runs together) share it in the order they happened, each in a part of its own."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ Slot = Tuple[int, int, int]
 
 
 class StepAxis(NamedTuple):
-    """x positions of every record and every component use, where each call's loop starts, each call's span, and the
-    end of the axis."""
+    """x positions of every record and every component use (the middle of its part of the slot), the width of a
+    use's part, where each call's loop starts, each call's span, and the end of the axis."""
 
     record_x: List[float]
     use_x: List[float]
     loop_start: Dict[int, float]
     call_span: Dict[int, Tuple[float, float]]
     end: float
+    use_width: Tuple[float, ...]
 
 
 def slot_of(starts: Sequence[float], call, phase: str, step, t: float) -> Slot:
@@ -38,12 +39,14 @@ def step_axis(trace) -> StepAxis:
     """Where each record and use of `trace` goes on the step axis."""
     starts = [c.start for c in trace.calls]
     record_slots = [slot_of(starts, r.call, r.phase, r.step, r.t) for r in trace.records]
-    use_slots = [slot_of(starts, c.index, u.phase, u.step, u.t) for c in trace.calls for u in c.uses]
+    uses = [(c.index, u) for c in trace.calls for u in c.uses]
+    use_slots = [slot_of(starts, index, u.phase, u.step, u.t) for index, u in uses]
     origin, call_span, end = _origins(trace, record_slots)
-    record_x = _spread(record_slots, origin)
-    use_x = [origin.get(slot, 0.0) for slot in use_slots]
+    times = [r.t for r in trace.records] + [u.t for _, u in uses]
+    xs, widths = _spread(record_slots + use_slots, times, origin)
+    count = len(record_slots)
     loop_start = {i: origin[(i, 2, 0)] for i in range(len(trace.calls)) if (i, 2, 0) in origin}
-    return StepAxis(record_x, use_x, loop_start, call_span, end)
+    return StepAxis(xs[:count], xs[count:], loop_start, call_span, end, tuple(widths[count:]))
 
 
 def _origins(trace, record_slots: List[Slot]) -> Tuple[Dict[Slot, float], Dict[int, Tuple[float, float]], float]:
@@ -73,14 +76,16 @@ def _origins(trace, record_slots: List[Slot]) -> Tuple[Dict[Slot, float], Dict[i
     return origin, call_span, x
 
 
-def _spread(slots: List[Slot], origin: Dict[Slot, float]) -> List[float]:
-    """x of each event: events sharing a slot are spread evenly across it, in order."""
-    counts: Dict[Slot, int] = {}
-    for slot in slots:
-        counts[slot] = counts.get(slot, 0) + 1
-    seen: Dict[Slot, int] = {}
-    xs = []
-    for slot in slots:
-        seen[slot] = seen.get(slot, 0) + 1
-        xs.append(origin.get(slot, 0.0) + seen[slot] / (counts[slot] + 1))
-    return xs
+def _spread(slots: List[Slot], times: Sequence[float], origin: Dict[Slot, float]) -> Tuple[List[float], List[float]]:
+    """x (the middle of its part) and width of the part of each event: the events sharing a slot split it evenly, in
+    the order of their times (ties in the order given)."""
+    members: Dict[Slot, List[int]] = {}
+    for index in sorted(range(len(slots)), key=lambda i: times[i]):
+        members.setdefault(slots[index], []).append(index)
+    xs, widths = [0.0] * len(slots), [1.0] * len(slots)
+    for slot, indices in members.items():
+        width = 1.0 / len(indices)
+        for rank, index in enumerate(indices):
+            xs[index] = origin.get(slot, 0.0) + (rank + 0.5) * width
+            widths[index] = width
+    return xs, widths

@@ -14,6 +14,8 @@ def device_name(device: Any) -> Optional[str]:
     (`"cuda:0"`, the current device when it has none), `None` when unknown."""
     if device is None:
         return None
+    if simulated(device):
+        return "cpu:0"
     try:
         return _NAMES[device]
     except (KeyError, TypeError):
@@ -44,3 +46,13 @@ def _current_index(kind: str) -> int:
         except Exception:  # not initialised: index 0 is what torch would pick
             return 0
     return 0
+
+
+def simulated(device: Any) -> bool:
+    """`device` is `cpu:0` while a simulated accelerator runs (a torch function mode marked
+    `_is_simulated_accelerator`, `testing/simulated_accelerator.py`): a device apart from the host, whose moves are
+    seen as on an accelerator, not replayed as on the CPU."""
+    if not isinstance(device, (str, torch.device)) or str(device) != "cpu:0":
+        return False
+    stack = torch.overrides._get_current_function_mode_stack()
+    return any(getattr(mode, "_is_simulated_accelerator", False) for mode in stack)

@@ -128,6 +128,15 @@ class Trace:
 
         return plot_traces([(title, self)], path, x=x)
 
+    def __eq__(self, other) -> bool:
+        """Equal when they hold the same records, calls, components, device, pipeline and notes (what `to_json`
+        writes): `Trace.load(path) == trace` after `trace.to_json(path)`."""
+        if not isinstance(other, Trace):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    __hash__ = None  # a trace grows while it records
+
     def __repr__(self) -> str:
         replayed = ", REPLAYED moves" if self.replayed else ""
         return f"Trace({self.pipeline}, {len(self.calls)} calls, {len(self.records)} moves{replayed})"

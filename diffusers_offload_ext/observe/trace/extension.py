@@ -57,7 +57,7 @@ class ExtensionMoves:
         span = Span(f"diffusers_offload_ext::{direction}::{name}", device, profile=False)
         target = device_name(device) or "cpu"
         src, dst = ("cpu", target) if direction == ONLOAD else (target, "cpu")
-        readable = device is not None and device.type != "cpu"
+        readable = device is not None and target != "cpu"  # tensors tell where they are (CUDA, the simulator)
 
         def finish(record) -> None:
             seconds = span.stop()
