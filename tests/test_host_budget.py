@@ -76,6 +76,7 @@ def test_images_equal_no_offloads_and_the_weights_stay_in_their_files(accelerato
     assert status.host_bytes.file_backed >= sum(c.nbytes for c in status.components.values()) * 0.99
     assert status.host_bytes.counted <= 4 * MiB
     assert status.components["transformer"].host.file_backed == status.components["transformer"].nbytes
+    assert "host_memory_budget='4.00MiB'" in str(status) and "file-backed" in str(status)
 
 
 def test_anonymous_weights_over_the_budget_are_remapped_onto_their_files(saved, reference, caplog):
