@@ -260,3 +260,13 @@ def test_streamed_blocks_of_file_backed_weights_pass_through_the_staging_ring(sa
     moved = [r for r in doe.transfer_ledger(pipe).records if r.block is not None and r.call_index == 0]
     copies = [w for w in waits if w.startswith("h2d copy_")]  # a streamed block's tensor copied into the ring
     assert moved and copies == [] and len([w for w in without if w.startswith("h2d copy_")]) >= len(moved) // 2
+
+
+def test_without_procs_maps_a_host_budget_is_refused(saved, monkeypatch):
+    from diffusers_offload_ext.host import regions
+
+    pipe = load(saved)
+    monkeypatch.setattr(regions, "_read", lambda path: "")
+    with pytest.raises(ValueError, match=r"reads which host memory each weight lies in from Linux's /proc/self/maps"):
+        pipe.enable_model_cpu_offload(device="cpu:0", host_memory_budget="1GiB")
+    assert not doe.offload_status(pipe).enabled

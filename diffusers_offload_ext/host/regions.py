@@ -80,6 +80,11 @@ class Regions:
         return region.path if region is not None else None
 
 
+def readable() -> bool:
+    """Whether this system says which memory is a mapping of which file (Linux's `/proc/self/maps`)."""
+    return bool(_read("/proc/self/maps"))
+
+
 def written_bytes(starts: Iterable[int], text: Optional[str] = None) -> Dict[int, int]:
     """Bytes written (copied on write, so anonymous now) in each file mapping that starts at one of `starts`, from
     `/proc/self/smaps` (or `text`)."""

@@ -4,12 +4,13 @@ measured at each call's end and for `offload_status` (`host/`)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Dict, List, Mapping, Optional
 
 import torch
 from diffusers.utils import logging
 
-from ..host import account, budget, files, memory, remap
+from ..host import account, budget, files, memory, regions, remap
 from ..host.keeper import HostKeeper
 from ..marks import HOST_SIDES, host_side
 from ..pinning import store as pinned
@@ -43,6 +44,11 @@ def plan_for(pipe, options, device: torch.device, order, given: bool) -> Optiona
     changed since) is kept, with one warning, rather than failing a call's end."""
     if not options.host_budgeted:
         return None
+    if not regions.readable():
+        raise ValueError(
+            f"`{ARGUMENT}` reads which host memory each weight lies in from Linux's /proc/self/maps, which this "
+            f'system ({sys.platform}) does not have. Leave `{ARGUMENT}` unset (or pass "off") here.'
+        )
     modules = {name: pipe.components[name] for name in order}
     transfer = make_transfer(device)
     store = pinned.store_for(device)
@@ -61,7 +67,10 @@ def plan_for(pipe, options, device: torch.device, order, given: bool) -> Optiona
         if given:
             raise
         logger.warning(f"{error} The budget stays in force; nothing was re-mapped.")
-        nbytes, auto = budget.resolve(ARGUMENT, options.host_budget, host, 0)
+        try:
+            nbytes, auto = budget.resolve(ARGUMENT, options.host_budget, host, 0)
+        except ValueError:
+            nbytes, auto = host.size, False  # the host shrank below a budget given before: the host bounds it
         counted = account.total(measured).counted
         return budget.HostPlan(nbytes, auto, 0, (), measured, counted)
 
