@@ -270,3 +270,32 @@ def test_without_procs_maps_a_host_budget_is_refused(saved, monkeypatch):
     with pytest.raises(ValueError, match=r"reads which host memory each weight lies in from Linux's /proc/self/maps"):
         pipe.enable_model_cpu_offload(device="cpu:0", host_memory_budget="1GiB")
     assert not doe.offload_status(pipe).enabled
+
+
+def test_a_fused_lora_makes_the_fused_weights_anonymous_said_once(saved, reference, caplog):
+    pytest.importorskip("peft", reason="LoRA layers need peft (in the test extra)")
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    pipe = load(saved)
+    pipe.enable_model_cpu_offload(device="cpu:0", host_memory_budget="64MiB")
+    tiny.run(pipe, NAME)
+    before = doe.offload_status(pipe).components["transformer"].host
+    pipe.transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k"]))
+    with torch.no_grad():
+        for name, parameter in pipe.transformer.named_parameters():
+            if "lora_B" in name:
+                parameter.fill_(0.05)
+    fused = 0
+    for module in pipe.transformer.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.merge()  # what fuse_lora does: base_layer.weight.data += delta, in place
+            fused += module.base_layer.weight.numel() * 4
+    with diffusers_logs(caplog, "INFO"):
+        image = tiny.run(pipe, NAME)
+        tiny.run(pipe, NAME)
+    after = doe.offload_status(pipe).components["transformer"].host
+    assert not torch.equal(image, reference)  # the fused LoRA changed the image
+    assert after.file_backed <= before.file_backed - fused and after.anonymous >= before.anonymous + fused
+    said = [r.getMessage() for r in caplog.records if "stopped being file-backed" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("`transformer`")

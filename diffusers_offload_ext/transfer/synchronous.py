@@ -45,7 +45,10 @@ class SyncTransfer(Transfer):
                 locked = self.pinning.prepare(module, type(module).__name__)
             elif not keep_host:
                 self.pinning.release(module)  # it stays on the device: its host memory goes
-        host_copy = HostCopy(module, check) if keep_host and entry.host_copy is None else entry.host_copy
+        shared = self.host is not None and self.host.in_place  # the device reads host memory: `HostCopy.shared`
+        host_copy = (
+            HostCopy(module, check, shared=shared) if keep_host and entry.host_copy is None else entry.host_copy
+        )
         sealed = host_copy if host_copy is not None and host_copy is not entry.host_copy else None
         try:
             self._copy_in(module, locked, sealed)
