@@ -1,5 +1,7 @@
 """Microseconds per hooked forward: accelerate's stock `CpuOffload` against this package's `DeferredCpuOffload`,
-for a component that is already on the execution device. A benchmark, not a test: numbers on a shared machine are
+for a component that is already on the execution device: the hook's `pre_forward` alone, then a whole forward through
+the hooks (ours: the out-of-memory guard, accelerate's `new_forward`, the hook) of a component that takes a FLUX
+transformer's inputs, less that component's bare forward. A benchmark, not a test: numbers on a shared machine are
 only meaningful as ratios measured in one run.
 
     python benchmarks/hook_overhead.py [--layers 400] [--calls 2000]
@@ -11,7 +13,7 @@ import timeit
 
 import accelerate
 import torch
-from accelerate.hooks import CpuOffload
+from accelerate.hooks import CpuOffload, add_hook_to_module
 from diffusers import DiffusionPipeline
 
 import diffusers_offload_ext as doe
@@ -38,6 +40,51 @@ def per_call_us(hook, module, calls: int) -> float:
     return best / calls * 1e6
 
 
+class Probe(torch.nn.Module):
+    """A component that takes a FLUX transformer's inputs and returns its latents: the forward costs next to nothing,
+    so what a call costs beyond its bare forward is the hooks'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+    def forward(
+        self,
+        hidden_states,
+        encoder_hidden_states=None,
+        pooled_projections=None,
+        timestep=None,
+        img_ids=None,
+        txt_ids=None,
+        guidance=None,
+        joint_attention_kwargs=None,
+        return_dict=True,
+    ):
+        return (hidden_states,)
+
+
+def probe_inputs() -> dict:
+    return dict(
+        hidden_states=torch.ones(1, 16, 8),
+        encoder_hidden_states=torch.ones(1, 8, 8),
+        pooled_projections=torch.ones(1, 8),
+        timestep=torch.ones(1),
+        img_ids=torch.ones(16, 3),
+        txt_ids=torch.ones(8, 3),
+        guidance=None,
+        joint_attention_kwargs=None,
+        return_dict=False,
+    )
+
+
+def per_forward_us(module, calls: int) -> float:
+    inputs = probe_inputs()
+    with torch.no_grad():
+        module(**inputs)  # the first call may move; then it is on the device
+        best = min(timeit.repeat(lambda: module(**inputs), number=calls, repeat=5))
+    return best / calls * 1e6
+
+
 def ours(layers: int, **options):
     pipe = OneComponent(component(layers))
     pipe.enable_model_cpu_offload(device="cpu", **options)
@@ -61,6 +108,17 @@ def main() -> None:
     ):
         hook, hooked = ours(args.layers, **options)
         rows.append((f"DeferredCpuOffload, {label}, cpu:0", per_call_us(hook, hooked, args.calls)))
+    bare = per_forward_us(Probe(), args.calls)
+    stock = Probe()
+    add_hook_to_module(stock, CpuOffload(torch.device("cpu")), append=True)
+    forwards = [("stock CpuOffload, execution device cpu", per_forward_us(stock, args.calls) - bare)]
+    for label, options in (
+        ("defaults (stock's chain)", {}),
+        ("keep_on_device_between_generations", {"keep_on_device_between_generations": True}),
+    ):
+        pipe = OneComponent(Probe())
+        pipe.enable_model_cpu_offload(device="cpu", **options)
+        forwards.append((f"DeferredCpuOffload, {label}, cpu:0", per_forward_us(pipe.component, args.calls) - bare))
     print(
         f"torch {torch.__version__}, accelerate {accelerate.__version__}, {platform.processor() or platform.machine()}"
     )
@@ -72,6 +130,10 @@ def main() -> None:
         "stock on cpu:0 walks every parameter (`module.to`) on each forward, as it does on CUDA with accelerate "
         "< 1.7; stock on plain cpu takes accelerate's own early return (device equality)."
     )
+    print(f"a whole forward with a FLUX transformer's inputs, less its bare forward ({bare:.2f} us):")
+    width = max(len(label) for label, _ in forwards)
+    for label, us in forwards:
+        print(f"{label:<{width}}  {us:9.2f} us per hooked forward  ({us / forwards[0][1]:6.2f}x stock's early return)")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ DROP = "drop"
 PREFETCH = "prefetch"
 KINDS = (COPY, DROP, PREFETCH)
 #: A policy's decision direction: run a component larger than the room the budget leaves it by streaming its blocks
-#: (the most used stay on the device, the others pass through a ring of device buffers); see `blocks.py`.
+#: (the most used stay on the device, the others pass through a ring of device buffers); see `blocks/`.
 STREAM = "stream"
 
 #: The cause of a move an out-of-memory recovery forced (`TransferRecord.cause`): evictions that made room, a component

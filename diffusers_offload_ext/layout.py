@@ -8,6 +8,7 @@ tracer's replays, the planner and the benchmarks alike.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Dict, Iterable, NamedTuple, Optional, Sequence, Tuple
 
 
@@ -108,9 +109,10 @@ def cannot_move(module) -> str:
 
 def modules_of(components, *, movable: bool = True) -> Dict[str, Any]:
     """The components that are `torch.nn.Module`s, in order; with `movable`, without those that cannot move
-    (`cannot_move`: bitsandbytes 8-bit ones)."""
-    import torch
-
+    (`cannot_move`: bitsandbytes 8-bit ones). Read without importing torch: where it is not loaded, nothing is one."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {}
     return {
         name: value
         for name, value in components.items()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional
 
 from .constants import DROP, OFFLOAD, ONLOAD
 
@@ -186,6 +186,9 @@ class Recorder:
     """The one recorder of one pipeline's moves, of whole components and of blocks: the ledger, and the observers told
     of every move (`(component, direction, module) -> finish(record)`: told before the move, finished after).
 
+    A move is recorded in two steps around it, so that the move itself runs in its mover's frame: `began =
+    recorder.begin(...)`, the move, then `recorder.finish(began, ...)`. A move that raises is not recorded.
+
     Args:
         calls (`CallTracker`): The pipeline's calls (each record's call index and step).
     """
@@ -217,16 +220,18 @@ class Recorder:
         finally:
             self.eviction = previous
 
-    def record(
-        self, name: str, direction: str, module, move: Callable[[], Tuple[int, str]], block: Optional[str] = None
+    def begin(self, name: str, direction: str, module) -> list:
+        """A move of component `name` begins: the observers are told; what they return goes to `finish`."""
+        return [observer(name, direction, module) for observer in self.observers] if self.observers else []
+
+    def finish(
+        self, began: list, name: str, direction: str, nbytes: int, kind: str, block: Optional[str] = None
     ) -> TransferRecord:
-        """Tell the observers, make the move (`move()` returns the bytes and the kind it moved), append its record
-        and give it to the observers."""
-        finishers = [observer(name, direction, module) for observer in self.observers]
-        nbytes, kind = move()
+        """The move `began` is made (`nbytes` of `kind`; of one `block` of a streaming component): its record is
+        appended and given to the observers."""
         cause = self.cause or (self.eviction if direction == OFFLOAD else None)
         record = TransferRecord(name, direction, nbytes, self.calls.index, kind, self.calls.step, block, cause)
         self.ledger.append(record)
-        for finish in finishers:
+        for finish in began:
             finish(record)
         return record

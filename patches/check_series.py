@@ -6,20 +6,24 @@ PyPI source distributions in `build/sdist`. Three series: `fixes/` (three bug fi
 then the feature, `main/` (for upstream) or its backport `v0.42.1/`. For each base (`main` and `v0.42.1`):
 
 1. `fixes/` then the base's feature series apply with plain `git am --whitespace=error-all` (no `-C`, no `-3`) onto
-   the sdist as released, each patch whose files the sdist has (or that only adds files). The sdists ship `src/`
+   the sdist as released, each patch without the files the sdist lacks (`git am --exclude`). The sdists ship `src/`
    and, of `tests/`, only `tests/testing_utils.py`. `main` is checked against the 0.40.0 sdist: its
    `src/diffusers/pipelines/pipeline_utils.py` is the fetched `main`'s byte for byte.
-2. The other patches (the pipeline tester mixins, the docs) are applied to a fixture made of their own pre-image
-   hunks (so: well-formed, no whitespace errors, the docs' new code blocks styled); their changes must be the same in
-   both feature series. With `--diffusers-repo` they are also applied to real trees (see below).
+2. The files the sdist lacks (the pipeline tester mixins, AudioLDM2's test file, the docs) are applied to a fixture
+   made of their own pre-image hunks (so: well-formed, no whitespace errors, the docs' new code blocks styled); the
+   tester mixins' and docs' changes must be the same in both feature series. With `--diffusers-repo` they are also
+   applied to real trees (see below).
 3. `ruff check`, `ruff format --check` (the sdist's `pyproject.toml`) on the changed Python files;
    `doc-builder style --max_len 119 --check_only` on the changed files under `src/` (what `make quality` runs) and
    on the new Markdown, as `.mdx`, which `doc-builder` would otherwise skip.
 4. The feature patch changes fewer than 80 lines of `pipeline_utils.py`; the fixes don't mention the feature; no
    patch changes a deprecated pipeline; the test patches patch nothing (`mock.patch`, `monkeypatch`, assignments to
-   `.to`); the docs' examples use no private attribute; the backport is marked as one in every commit message and the
-   `main` series in none; `PR.md` links `ISSUE.md`, `PR-fixes.md`, diffusers#11872 and accelerate#3695, `ISSUE.md`
-   the last two and compares with Modular Diffusers' auto offload, and no text ticks a box without a link.
+   `.to`) and build no device string from `torch_device` (`f"{torch_device}:0"`: `torch_device` can have an index);
+   the docs' examples use no private attribute; the backport is marked as one in every commit message and the `main`
+   series in none; `PR.md` links `ISSUE.md` and `PR-fixes.md`; `PR.md` and `ISSUE.md` link diffusers#11872,
+   #14304, #14358, #6804 and accelerate#3695, and `ISSUE.md` compares with Modular Diffusers' auto offload; both
+   PR texts follow diffusers' pull request template (its headings) and say "Breaking changes: none"; no text ticks a
+   box without a link.
 
 `--diffusers-repo DIR` (a clone or the bare mirror of huggingface/diffusers that has commit 58eb52c, 2026-08-23, the
 newest `main` fetched) adds the full check: the series applied with plain `git am` to `main` and to `main` with the
@@ -153,8 +157,9 @@ def extract_sdist(sdist, dest):
     return dest
 
 
-def git_am(tree, patch):
-    result = git(tree, "am", "-q", "--whitespace=error-all", str(patch.path))
+def git_am(tree, patch, exclude=(), include=()):
+    paths = [f"--exclude={f}" for f in exclude] + [f"--include={f}" for f in include]
+    result = git(tree, "am", "-q", "--whitespace=error-all", *paths, str(patch.path))
     if result.returncode != 0:
         git(tree, "am", "--abort")
     return result
@@ -186,11 +191,12 @@ def markdown_as_mdx(tree, files):
 
 
 def fixture_for(patches, dest):
-    """A tree with the pre-image of every file `patches` change, made from their own hunks (other lines blank)."""
+    """A tree with the pre-image of the files `patches` change (`[(patch, files)]`), made from their own hunks (other
+    lines blank)."""
     new_tree(dest)
     done = set()
-    for patch in patches:
-        for file in patch.changed:
+    for patch, files in patches:
+        for file in files:
             if file in done:
                 continue
             done.add(file)
@@ -216,20 +222,23 @@ def check_base(base, sdist_dir, work):
     if not report(bool(fixes) and bool(feature), f"{base}: both series have patches"):
         return feature
     tree = extract_sdist(sdist_dir / f"diffusers-{version}.tar.gz", work / base)
-    applied, deferred = [], []
+    applied, deferred = [], []  # [(patch, the files of it applied there)]
     for patch in fixes + feature:
         label = f"{patch.path.parent.name}/{patch.path.name}"
-        if all((tree / f).is_file() for f in patch.changed):
-            result = git_am(tree, patch)
+        missing = [f for f in patch.changed if not (tree / f).is_file()]
+        present = [f for f in patch.files if f not in missing]
+        if present:
+            result = git_am(tree, patch, exclude=missing)
+            without = f" without {', '.join(missing)} (not in the sdist)" if missing else ""
             report(
                 result.returncode == 0,
-                f"{base}: `git am` {label}" + (f"\n{result.stderr}" if result.returncode else ""),
+                f"{base}: `git am` {label}{without}" + (f"\n{result.stderr}" if result.returncode else ""),
             )
             if result.returncode == 0:
-                applied.append(patch)
-        else:
-            deferred.append(patch)
-    files = sorted({f for patch in applied for f in patch.files})
+                applied.append((patch, present))
+        if missing:
+            deferred.append((patch, missing))
+    files = sorted({f for _, present in applied for f in present})
     ok, out = ruff(tree, files)
     count = len([f for f in files if f.endswith(".py")])
     report(ok, f"{base}: ruff check + format --check on {count} changed files" + (f"\n{out}" if not ok else ""))
@@ -245,15 +254,14 @@ def check_base(base, sdist_dir, work):
 
     if deferred:
         fixture = fixture_for(deferred, work / f"{base}-fixture")
-        for patch in deferred:
-            result = git_am(fixture, patch)
-            missing = ", ".join(f for f in patch.changed if not (tree / f).is_file())
+        for patch, missing in deferred:
+            result = git_am(fixture, patch, include=missing)
             report(
                 result.returncode == 0,
-                f"{base}: `git am` {patch.path.name} onto the fixture of its own pre-image (the sdist lacks {missing})"
-                + (f"\n{result.stderr}" if result.returncode else ""),
+                f"{base}: `git am` {patch.path.name} onto the fixture of its own pre-image of {', '.join(missing)} "
+                "(not in the sdist)" + (f"\n{result.stderr}" if result.returncode else ""),
             )
-        md = sorted({f for patch in deferred for f in patch.files if f.endswith(".md")})
+        md = sorted({f for _, missing in deferred for f in missing if f.endswith(".md")})
         ok, out = markdown_as_mdx(fixture, md)
         report(
             ok,
@@ -293,6 +301,12 @@ def check_contents(base, fixes, feature):
                     not patched,
                     f"{base}: {patch.path.name} {file} patches nothing" + (f": {patched}" if patched else ""),
                 )
+                indexed = [line.strip() for line in patch.added_lines(file) if "{torch_device}:" in line]
+                report(
+                    not indexed,
+                    f"{base}: {patch.path.name} {file} builds no device string from `torch_device`"
+                    + (f": {indexed}" if indexed else ""),
+                )
             if file.endswith(".md"):
                 code, private = False, []
                 for line in patch.added_lines(file):
@@ -306,12 +320,28 @@ def check_contents(base, fixes, feature):
                 )
 
 
+LINKS = {
+    "diffusers#11872": "github.com/huggingface/diffusers/issues/11872",
+    "diffusers#14304": "github.com/huggingface/diffusers/pull/14304",
+    "diffusers#14358": "github.com/huggingface/diffusers/pull/14358",
+    "diffusers#6804": "github.com/huggingface/diffusers/issues/6804",
+    "accelerate#3695": "github.com/huggingface/accelerate/pull/3695",
+}
+# the headings of diffusers' .github/PULL_REQUEST_TEMPLATE.md
+TEMPLATE_HEADINGS = ["# What does this PR do?", "## Before submitting", "## Who can review?"]
+
+
 def check_texts():
     print("\nPR.md, PR-fixes.md, ISSUE.md")
     texts = {name: (HERE / name).read_text() for name in ("PR.md", "PR-fixes.md", "ISSUE.md")}
     for name in ("PR.md", "ISSUE.md"):
-        report("github.com/huggingface/diffusers/issues/11872" in texts[name], f"{name} links diffusers#11872")
-        report("github.com/huggingface/accelerate/pull/3695" in texts[name], f"{name} links accelerate#3695")
+        for label, link in LINKS.items():
+            report(link in texts[name], f"{name} links {label}")
+    for name in ("PR.md", "PR-fixes.md"):
+        pasted = texts[name].split("\n---\n", 1)[-1]
+        missing = [h for h in TEMPLATE_HEADINGS if not re.search(rf"^{re.escape(h)}$", pasted, re.M)]
+        report(not missing, f"{name} has the headings of diffusers' PR template" + (f": {missing}" if missing else ""))
+        report("Breaking changes: none" in pasted, f'{name} says "Breaking changes: none"')
     report("ISSUE.md" in texts["PR.md"], "PR.md links the design issue (ISSUE.md)")
     report("PR-fixes.md" in texts["PR.md"], "PR.md says the fixes come first (PR-fixes.md)")
     report("enable_auto_cpu_offload" in texts["ISSUE.md"], "ISSUE.md compares with Modular Diffusers' auto offload")

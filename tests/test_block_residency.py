@@ -1,5 +1,5 @@
 """Block residency's two pure pieces: how a component splits into blocks (`diffusers_offload_ext.blocks`) and which
-blocks stay (`policies.blocks`), the knapsack checked against brute force with hypothesis."""
+blocks stay (`blocks.choice`), the knapsack checked against brute force with hypothesis."""
 
 import itertools
 

@@ -100,10 +100,11 @@ def test_a_call_unlike_the_previous_one_stays_correct(reference):
 
 @pytest.mark.parametrize("then", ["to", "remove_all_hooks"])
 def test_moves_from_outside_wait_for_a_pending_prefetch(then):
-    """A call interrupted right after the VAE's prefetch was issued leaves it pending; `pipe.to("cpu")` or
-    `remove_all_hooks()` then must not move (or leave) weights that are still being written."""
+    """A call interrupted inside the UNet's forward, right after the VAE's prefetch was issued (before that forward's
+    end, which waits on it), leaves it pending; `pipe.to("cpu")` or `remove_all_hooks()` then must not move (or leave)
+    weights that are still being written."""
 
-    def interrupt(pipe, step, timestep, kwargs):
+    def interrupt(module, args):
         raise KeyboardInterrupt
 
     pipe = tiny.build(NAME)
@@ -113,8 +114,10 @@ def test_moves_from_outside_wait_for_a_pending_prefetch(then):
                                       prefetch=True, pin_memory=True)  # fmt: skip
         pipe(**tiny.call_kwargs(NAME, pipe=pipe))
         doe.release(pipe)  # the next call onloads again, so that there is something to prefetch
+        handle = pipe.unet.conv_out.register_forward_pre_hook(interrupt)  # the UNet's last layer
         with pytest.raises(KeyboardInterrupt):
-            pipe(**tiny.call_kwargs(NAME, pipe=pipe), callback_on_step_end=interrupt)
+            pipe(**tiny.call_kwargs(NAME, pipe=pipe))
+        handle.remove()
         assert made[0].pending  # the VAE's prefetch was issued and never waited on
         if then == "to":
             pipe.to("cpu")

@@ -82,6 +82,7 @@ class OffloadMachine(RuleBasedStateMachine):
         note("remove_all_hooks()")
         self.pipe.remove_all_hooks()
         self.reference.remove_hooks()
+        self.options = ((), self.options[1])  # it drops `exclude_from_offload`, as stock drops its instance list
 
     @precondition(lambda self: self.reference is not None)
     @rule()

@@ -58,7 +58,8 @@ def main(argv=None) -> int:
         parser.error(f"`--options` must name some of {list(OPTIONS)} (got {args.options!r}); `--timeout` 60 to 7200.")
     if not os.path.isdir(os.path.join(args.diffusers_tree, "tests", "pipelines")):
         parser.error(f"`--diffusers-tree` {args.diffusers_tree!r} has no tests/pipelines: pass a diffusers checkout.")
-    results = {option: run(args.diffusers_tree, args.hf_home, option, args.timeout) for option in ["stock", *chosen]}
+    runs = dict.fromkeys(["stock", *chosen])  # stock once, even when `--options` names it
+    results = {option: run(args.diffusers_tree, args.hf_home, option, args.timeout) for option in runs}
     stock_passed = sorted(t for t, (o, _) in results["stock"].items() if o == "passed")
     summary = {"stock_passed": len(stock_passed), "options": {}}
     for option in chosen:

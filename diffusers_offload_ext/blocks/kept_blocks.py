@@ -8,8 +8,7 @@ from typing import Callable, Dict, List
 import torch
 
 from ..constants import COPY, DROP, OFFLOAD, ONLOAD
-from ..transfer.base import HOST
-from .streamed_block import move_slots
+from .streamed_block import move_slots, send_home
 from ..transfer.host_copy import HostCopy
 from .quant_state import carry, home
 
@@ -61,7 +60,9 @@ class KeptBlocks:
                 self.emit(block.name, OFFLOAD, block.nbytes, DROP)
                 continue
             if not copy.write_back(self.component, self.copier.copy_home):
-                move_slots(block.slots, HOST)  # a new shape or dtype: only a fresh host copy can hold it
+                # A new shape, dtype or structure (a parametrization moved `weight` into `parametrizations`): only a
+                # fresh host copy can hold it, of every tensor the block has now.
+                send_home(block.module)
                 home(states)
             self.emit(block.name, OFFLOAD, block.nbytes, COPY)
 

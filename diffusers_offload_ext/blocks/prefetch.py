@@ -1,6 +1,6 @@
 """When streamed blocks are prefetched: which blocks of a component that streams are copied into the ring ahead of
 their use, along the order its blocks ran in. A "when", like the prefetch of whole components (`prefetch.py`); the
-ring (`transfer/streaming.py`) carries it out."""
+ring (`blocks/streamer.py`) carries it out."""
 
 from __future__ import annotations
 

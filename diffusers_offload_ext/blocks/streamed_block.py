@@ -197,6 +197,14 @@ def move_slots(slots, device: torch.device, non_blocking: bool = False) -> None:
             move_tensor(sub._parameters if is_param else sub._buffers, key, is_param, device, non_blocking)
 
 
+def send_home(module: torch.nn.Module) -> None:
+    """Every tensor of `module` (its sub-modules' too) that is not on the host moved there, as it is now."""
+    for sub in module.modules():
+        for is_param, table in ((True, sub._parameters), (False, sub._buffers)):
+            for key in [k for k, t in table.items() if t is not None and not at_home(t)]:
+                move_tensor(table, key, is_param, HOST)
+
+
 def _same(leaves: List[torch.Tensor], held: List[torch.Tensor]) -> bool:
     """Whether `leaves` are still the host tensors `held`: same number, each at home with the same layout."""
     return len(leaves) == len(held) and all(at_home(x) and layout(x) == layout(h) for x, h in zip(leaves, held))

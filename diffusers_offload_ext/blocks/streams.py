@@ -6,7 +6,7 @@ component can stream in."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Callable, Dict, Iterator, NamedTuple, Optional, Set, Tuple
+from typing import Dict, Iterator, NamedTuple, Optional, Set, Tuple
 
 from diffusers.utils import logging
 
@@ -78,7 +78,7 @@ def stream_room(module) -> Optional[int]:
 
 
 def block_choice(module, room: int, uses: Optional[Dict[str, int]] = None) -> Tuple[Optional[BlockChoice], list, str]:
-    """`(choice, blocks, why not)`: how `module` streams within `room` bytes (`policies.blocks.choose_blocks` over its
+    """`(choice, blocks, why not)`: how `module` streams within `room` bytes (`blocks.choice.choose_blocks` over its
     blocks, its rest kept, each block weighed by `uses`, 1 if not given); the choice is `None` when it cannot stream,
     and `why not` says why."""
     items, blocks, why = _items(module, uses)
@@ -124,13 +124,13 @@ class BlockStreams:
     """The streaming components of one pipeline.
 
     Args:
-        record (`Callable`): The pipeline's move recorder (`Recorder.record`), told of every block move.
+        recorder (`Recorder`): The pipeline's move recorder, told of every block move.
         calls (`CallTracker`): The pipeline's calls: what a stream learns in a call is used by the next calls only
             once the call ended without failing (`end_call`); a failed call leaves the previous plan in force.
     """
 
-    def __init__(self, record: Callable, calls) -> None:
-        self.record, self.calls = record, calls
+    def __init__(self, recorder, calls) -> None:
+        self.recorder, self.calls = recorder, calls
         self.active: Dict[str, BlockStreamer] = {}
         self.choices: Dict[str, BlockChoice] = {}
         self.rooms: Dict[str, int] = {}  # name -> the room each active stream was given
@@ -153,7 +153,7 @@ class BlockStreams:
             transfer.pinning.prepare(module, type(module).__name__)
 
         def emit(block, direction, nbytes, kind):
-            self.record(name, direction, module, lambda: (nbytes, kind), block)
+            self.recorder.finish(self.recorder.begin(name, direction, module), name, direction, nbytes, kind, block)
 
         streamer = BlockStreamer(
             module,
@@ -271,6 +271,9 @@ class BlockStreams:
         if streamer is None or choice is None:
             return None
         per_pass = sum(streamer.streamed[n].nbytes for n in streamer.order)
-        return BlockStatus(
-            tuple(choice.kept), tuple(streamer.order), choice.ring_bytes, choice.slots, choice.device_bytes, per_pass
+        # On the device: the kept blocks at their own bytes (the choice weighs them at their sizes in a ring buffer,
+        # aligned), and the ring while it is allocated.
+        held = sum(block.nbytes for block in streamer.kept) + (
+            streamer.ring.nbytes if streamer.ring is not None else 0
         )
+        return BlockStatus(tuple(choice.kept), tuple(streamer.order), choice.ring_bytes, choice.slots, held, per_pass)

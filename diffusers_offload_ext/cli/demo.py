@@ -84,13 +84,13 @@ def run_demo(*, generations: int, steps: int, rates: Tuple[int, int], record: bo
     import torch
 
     from ..models import load_model
-    from ..runtime import install as installer
+    from .. import install, is_installed, uninstall
 
     real = load_model(REAL_MODEL, REAL_DTYPES).sizes
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny pipelines are a few hundred kilobytes: more threads only add contention
-    installed_before = installer.is_installed()
-    installer.install()
+    installed_before = is_installed()
+    install()
     settings, traces = {}, {}
     try:
         with output.quiet_transformers():
@@ -100,7 +100,7 @@ def run_demo(*, generations: int, steps: int, rates: Tuple[int, int], record: bo
         settings["memory_budget"].update(_planned_budget(generations, steps, rates))
     finally:
         if not installed_before:
-            installer.uninstall()
+            uninstall()
         torch.set_num_threads(threads)
     return _result(settings, generations, steps, rates, real), {k: t for k, t in traces.items() if t is not None}
 

@@ -129,10 +129,10 @@ def _upstream_patch() -> Dict[str, bool]:
 
 
 def _install_changes() -> dict:
-    from ..runtime.methods import METHODS
+    from ..marks import REPLACED
 
     return {
-        "replace_on_DiffusionPipeline": sorted(METHODS),
+        "replace_on_DiffusionPipeline": sorted(REPLACED),
         "wrap": "__call__ of every DiffusionPipeline subclass, imported already or later",
         "own_enable_model_cpu_offload": _overrides(),
     }

@@ -31,14 +31,14 @@ from .specs import load_spec, override_component
 
 #: Block element counts of the shipped models' components (`testing/record_model_data.py --blocks` writes it).
 BLOCKS_FILE = os.path.join(DATA_DIR, "blocks.json")
-#: The name `blocks.REST` gives what no repeated block holds (`blocks.py` imports torch; this module must not).
+#: The name `blocks.REST` gives what no repeated block holds (`blocks/find.py` imports torch; this module must not).
 REST = "<rest>"
 
 
 @functools.lru_cache(maxsize=16)
 def _block_counts(class_name: str, library: Optional[str], config_json: str) -> tuple:
     """`((block, floating elements, ((dtype, elements), ...), linear weights), ...)` of the class built on meta."""
-    from ..blocks.find import find_blocks
+    from .. import find_blocks
     from .meta import build_on_meta, kept_in_fp32, linear_weights, tally
 
     found = []
@@ -69,7 +69,7 @@ def shipped_block_counts() -> Dict[str, list]:
 
 def block_bytes(entry: Mapping, dtype: str) -> Dict[str, int]:
     """`{block: bytes}` of one spec component whose floating tensors are in `dtype`, or whose Linear weights are in
-    the quantized format `dtype` (the rest in the component's own dtype) (see `blocks.py`): from the shipped block
+    the quantized format `dtype` (the rest in the component's own dtype) (see `blocks/find.py`): from the shipped block
     counts when its class and config were recorded, else from a build on the meta device."""
     counts = shipped_block_counts().get(config_key(entry["class"], entry["config"]))
     if counts is None:
@@ -93,7 +93,7 @@ def spec_entry(model: str, components, name: str) -> Mapping:
 
 class BlockPlans:
     """The blocks of a planned model's components and the stream plan of each within a room, as the runtime makes
-    them (`runtime.block_streams.block_choice`: every block weighed once per forward, the rest kept).
+    them (`blocks.streams.block_choice`: every block weighed once per forward, the rest kept).
 
     Args:
         model (`str`): The shipped model name or spec path.

@@ -75,7 +75,7 @@ def replay_trace(
         resident (`Iterable[str]`, *optional*): Components on the device before the trace. When not given, the trace
             starts with offload being armed on an all-on-host pipeline, and that arm's moves are counted.
         stream_rooms (`Mapping[str, int]`, *optional*): The fewest bytes each component can stream its blocks in
-            (`Facts.stream_rooms`; the runtime measures them with `runtime.block_streams.stream_room`). A stream is
+            (`Facts.stream_rooms`; the runtime measures them with `blocks.streams.stream_room`). A stream is
             modelled as an onload of the whole component, exact for a component that runs once while it streams (a
             text encoder); a denoiser streamed at every step moves more.
         check (`Callable`, *optional*): Called after every event with the event (`None` for arming, a component name

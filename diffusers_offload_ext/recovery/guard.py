@@ -5,10 +5,10 @@ streamed in less and less room), and runs it again after each; at its smallest r
 `OffloadOutOfMemoryError`, which says what was tried and what to change. The guard is around accelerate's forward,
 so a load that runs out of memory (the transfer puts back what it moved) is caught as well.
 
-Inference forwards of diffusers' models are pure, so running one again is safe. Where it may not be, the error
-propagates as it is: a module in training mode (dropout draws random numbers), a stateful diffusers hook on it (a
-cache that the failed forward may have changed), an argument that is not plain data (a `torch.Generator`, a
-transformers cache object), an input tensor changed in place by the failed forward (its version counter moved).
+Inference forwards of diffusers' models are pure, so running one again is safe. Where it may not be
+(`retries.py`: a module in training mode with gradients on, an active dropout or a batch norm updating its running
+statistics, a stateful diffusers hook, an argument that is not plain data, an input changed in place), the error
+propagates as it is.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from diffusers.utils import logging
 from ..constants import OFFLOAD
 from ..marks import extension_hook
 from ..policies import Decision
-from ..transfer.inference import version_of
 from ..units import format_size
 from ..runtime import sharing
+from ..runtime.inputs import snapshot
 from .activations import describe
 from ..blocks.streams import stream_room
-from .measuring import held_bytes, make_room as carry_out_rung, recovered as learn
+from .retries import not_retried
 
 logger = logging.get_logger(f"diffusers.{__name__}")
 
@@ -36,11 +36,11 @@ logger = logging.get_logger(f"diffusers.{__name__}")
 GUARDED = ("encode", "decode")
 #: Most rungs one recovery climbs (each ends at a smaller residency; this bounds it whatever happens).
 MAX_RUNGS = 8
-_PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-_MAX_ITEMS = 64
 
-#: The guarded forwards running now, innermost last: `(session, component, module)`.
-running: List[Tuple[object, str, torch.nn.Module]] = []
+#: The guarded calls running now, innermost last: `[module, inputs]`, `inputs` being its input tensors' version
+#: counters (`runtime/inputs.py`), read by the module's hook as it reads the inputs (by the guard itself for
+#: `encode`/`decode`, whose hook sees none), or `None` before that (a load that failed: the forward never ran).
+running: List[list] = []
 
 
 class OffloadOutOfMemoryError(torch.OutOfMemoryError):
@@ -51,16 +51,19 @@ class OffloadOutOfMemoryError(torch.OutOfMemoryError):
 def guard(module: torch.nn.Module) -> None:
     """Guard `module`'s forward (accelerate's, which calls the hook's `pre_forward`: a load that runs out of memory is
     caught too; compiled in place, its compiled call instead, so that Dynamo meets no frame of ours inside it) and its
-    `encode`/`decode` (which call the hook themselves). Idempotent. Accelerate's
-    `remove_hook_from_module` puts the forward back; `unguard` takes the rest off."""
+    `encode`/`decode` (which call the hook themselves); a component without a hook (excluded, under the residency
+    manager), its own forward. Idempotent. Each guard keeps what code reads from the method it wraps (`_guarding`):
+    its signature, name and docstring. Accelerate's `remove_hook_from_module` puts the forward back; `unguard` takes
+    the rest off."""
     compiled = module.__dict__.get("_compiled_call_impl")
     if compiled is not None:  # compiled in place: around the compiled call, where Dynamo never sees the guard's frame
         if not _guarded(compiled):
-            module._compiled_call_impl = functools.partial(_run, module, compiled)
+            module._compiled_call_impl = functools.partial(_run, module, compiled, False)
         return _guard_methods(module)
-    forward = module.__dict__.get("forward")
-    if forward is not None and not _guarded(forward):
-        module.forward = functools.partial(_run, module, forward)
+    hooked = module.__dict__.get("forward")  # accelerate's, whose hook reads the inputs; without a hook, its own
+    forward = hooked or module.forward
+    if not _guarded(forward):
+        module.forward = _guarding(module, forward, hooked is None)
     _guard_methods(module)
 
 
@@ -68,14 +71,25 @@ def _guard_methods(module: torch.nn.Module) -> None:
     for method in GUARDED:
         bound = getattr(module, method, None)
         if callable(bound) and not _guarded(bound) and method not in module.__dict__:
-            module.__dict__[method] = functools.partial(_run, module, bound)
+            module.__dict__[method] = _guarding(module, bound, True)
+
+
+def _guarding(module: torch.nn.Module, call, reads: bool):
+    """`call` (a method of `module`) guarded (`reads`: the guard reads its inputs, which its hook does not see): what
+    `inspect.signature` reads of it is `call`'s own signature (diffusers asks whether `vae.forward` takes
+    `num_frames`), and it has `call`'s name and docstring."""
+    return functools.update_wrapper(functools.partial(_run, module, call, reads), call)
 
 
 def unguard(module: torch.nn.Module) -> None:
-    """Take the guard off `module`'s `encode`/`decode` and its compiled call (its hook leaves)."""
+    """Take the guard off `module`'s `encode`/`decode`, its compiled call and its own forward (its hook leaves, or
+    offload is armed again)."""
     compiled = module.__dict__.get("_compiled_call_impl")
     if _guarded(compiled):
         module._compiled_call_impl = compiled.args[1]
+    forward = module.__dict__.get("forward")
+    if _guarded(forward) and getattr(forward.args[1], "__self__", None) is module:  # accelerate puts back its own
+        del module.__dict__["forward"]
     for method in GUARDED:
         if _guarded(module.__dict__.get(method)):
             del module.__dict__[method]
@@ -88,7 +102,7 @@ def _guarded(call) -> bool:
 def _holder(module: torch.nn.Module):
     """`(session, component)` that runs `module` now, or `(None, None)` where offload is not armed."""
     hook = extension_hook(getattr(module, "_hf_hook", None))
-    session = getattr(hook, "session", None)
+    session = getattr(hook, "session", None) if hook is not None else next(iter(sharing.holders(module)), None)
     if session is None or not session.active:
         return None, None
     if sharing.running and sharing.running[-1] is not session:
@@ -114,32 +128,67 @@ def _opaque(fn):
     return _disable(fn) if _disable is not None else fn
 
 
+#: Dynamo's frame callback, set while it compiles or runs compiled code (`None` in eager code); `None` where this
+#: torch does not tell it (the guard's reading of inputs is then always hidden from Dynamo).
+_dynamo_callback = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", None
+)
+
+
 @_skip_frame
-def _run(module: torch.nn.Module, call, *args, **kwargs):
-    """Run `call` (a guarded forward of `module`); on an out-of-memory error make room and run it again."""
-    attempt = _Attempt.enter(module, args, kwargs)
-    if attempt is None:
-        return call(*args, **kwargs)
+def _run(module: torch.nn.Module, call, reads: bool, *args, **kwargs):
+    """Run `call` (a guarded forward of `module`; `reads`: one whose hook does not see its inputs); on an
+    out-of-memory error make room and run it again.
+
+    Before the call only what an error cannot tell afterwards is read: the input tensors' version counters, by the
+    module's hook as it reads the inputs anyway (or here, for `encode`/`decode`). Everything else (which session runs
+    it, training mode, stateful hooks, odd arguments) is read when an error happens (`_Attempt`)."""
+    for slot in running:
+        if (
+            slot[0] is module
+        ):  # nested in the module's own guarded call (a VAE's forward calls `decode`): guarded there
+            return call(*args, **kwargs)
+    slot = [module, _read(args, kwargs) if reads else None]
+    running.append(slot)
+    attempt = None
     try:
         while True:
             try:
                 result = call(*args, **kwargs)
             except torch.OutOfMemoryError as error:
+                attempt = attempt if attempt is not None else _Attempt.of(slot)
                 if not attempt.failed(error, args, kwargs):
                     raise
             else:
-                attempt.completed()
+                if attempt is not None:
+                    attempt.completed()
                 return result
             attempt.make_room()  # out of the `except`: the failed forward's frames, and their activations, are gone
     finally:
-        attempt.leave()
+        running.pop()
+
+
+def _read(args: tuple, kwargs: dict) -> list:
+    """The input tensors' version counters, read by the guard (plainly in eager code, hidden from Dynamo where it
+    runs)."""
+    if _dynamo_callback is not None and _dynamo_callback() is None:
+        return snapshot(args, kwargs)
+    return _opaque(snapshot)(args, kwargs)
+
+
+def reading(module: torch.nn.Module) -> Optional[list]:
+    """The slot of `module`'s guarded call when its hook is to read the input tensors' version counters into it (at
+    `[1]`), else `None` (not guarded, read already, or read by the guard)."""
+    slot = running[-1] if running else None
+    return slot if slot is not None and slot[0] is module and slot[1] is None else None
 
 
 class _Attempt:
-    """One guarded call of a component: what was tried so far to make it fit (`_run` drives it)."""
+    """One guarded call of a component that ran out of device memory: what was tried so far to make it fit (`_run`
+    drives it)."""
 
-    def __init__(self, session, name: str, module, versions) -> None:
-        self.session, self.name, self.module, self.versions = session, name, module, versions
+    def __init__(self, session, name: str, slot: list) -> None:
+        self.session, self.name, self.module, self.slot = session, name, slot[0], slot
         self.tried: List[str] = []
         self.smallest: Optional[int] = None
         self.failed_held = 0
@@ -148,31 +197,23 @@ class _Attempt:
 
     @staticmethod
     @_opaque
-    def enter(module, args, kwargs) -> Optional["_Attempt"]:
-        """The attempt, or `None` where nothing is to be guarded: offload is not armed, or the call is nested in the
-        module's own (a VAE's forward calls `decode`)."""
-        if any(entry[2] is module for entry in running):
-            return None
-        session, name = _holder(module)
-        if session is None:
-            return None
-        running.append((session, name, module))
-        return _Attempt(session, name, module, _versions(args, kwargs))
-
-    @_opaque
-    def leave(self) -> None:
-        running.pop()
+    def of(slot: list) -> "_Attempt":
+        session, name = _holder(slot[0])
+        return _Attempt(session, name, slot)
 
     @_opaque
     def failed(self, error, args, kwargs) -> bool:
         """The call raised `error`: whether it may run again once room is made (the next rung is then chosen).
-        Raises `OffloadOutOfMemoryError` when no rung is left."""
-        why = not_retried(error, self.module, args, kwargs, self.versions)
+        Raises `OffloadOutOfMemoryError` when no rung is left; `False` where offload is not armed."""
+        if self.session is None:
+            return False
+        nested = isinstance(error, OffloadOutOfMemoryError)  # a nested component already gave up
+        why = "" if nested else not_retried(self.module, args, kwargs, self.slot[1] or ())
         if why is not None:
             if why:
                 logger.warning(f"`{self.name}` ran out of device memory and is not run again: {why}.")
             return False
-        self.failed_held = self.failed_held or held_bytes(self.session)
+        self.failed_held = self.failed_held or self.session.held_bytes()
         self.decision = rung(self.session, self.name, self.smallest) if len(self.tried) < MAX_RUNGS else None
         if self.decision is None or not self.decision.moves:
             if self.at_smallest or self.decision is None:  # a second error at the smallest residency
@@ -204,15 +245,15 @@ def rung(session, name: str, smallest: Optional[int]) -> Decision:
 
 
 def make_room(session, name: str, decision: Decision, smallest: Optional[int]) -> Tuple[str, Optional[int]]:
-    """Carry out `decision` (`measuring.make_room`); returns what it did, in words, and the least room `name` was
+    """Carry out `decision` (`Session.carry_out_rung`); returns what it did, in words, and the least room `name` was
     streamed in so far."""
-    before = held_bytes(session)
-    carry_out_rung(session, decision)
+    before = session.held_bytes()
+    session.carry_out_rung(decision)
     if not decision.moves:
         return "gave the cached memory back to the device (nothing more could leave it)", smallest
     evicted = [n for direction, n in decision.moves if direction == OFFLOAD and n != name]
     if evicted:
-        freed = format_size(max(before - held_bytes(session), 0))
+        freed = format_size(max(before - session.held_bytes(), 0))
         return f"evicted {', '.join(f'`{n}`' for n in evicted)} ({freed})", smallest
     room = decision.overflow.limit
     choice = session.streams.choices.get(name)
@@ -224,9 +265,9 @@ def make_room(session, name: str, decision: Decision, smallest: Optional[int]) -
 
 def recovered(session, name: str, tried: List[str], failed_held: int) -> None:
     """One log line per recovery, and the session learns from it."""
-    learn(session, name, failed_held)
+    session.recovered(name, failed_held)
     limit = (
-        f" From now on, calls of this shape keep at most {format_size(held_bytes(session))} of weights on the device "
+        f" From now on, calls of this shape keep at most {format_size(session.held_bytes())} of weights on the device "
         f"while `{name}` runs (`doe.offload_status(pipe).learnt`)."
         if hasattr(session.policy, "limit_while")
         else ""
@@ -239,55 +280,8 @@ def recovered(session, name: str, tried: List[str], failed_held: int) -> None:
 
 def running_names(session) -> Tuple[str, ...]:
     """The components of `session` whose guarded forward is running now (they must not be evicted)."""
-    return tuple(name for holder, name, _ in running if holder is session)
-
-
-def not_retried(error, module, args, kwargs, versions) -> Optional[str]:
-    """Why the forward that raised `error` must not run again (`""`: a nested component already gave up), or
-    `None` when it may."""
-    if isinstance(error, OffloadOutOfMemoryError):
-        return ""
-    if module.training:
-        return "it is in training mode (dropout draws random numbers, autograd records the graph)"
-    for sub in module.modules():
-        registry = getattr(sub, "_diffusers_hook", None)
-        hooks = getattr(registry, "hooks", None)
-        for hook in hooks.values() if isinstance(hooks, dict) else ():
-            if getattr(hook, "_is_stateful", False):
-                name = type(hook).__name__
-                return f"a stateful diffusers hook (`{name}`) keeps a cache the failed forward may have changed"
-    for label, value in list(enumerate(args)) + list(kwargs.items()):
-        odd = _odd(value, 0)
-        if odd is not None:
-            return f"its argument `{label}` holds a `{type(odd).__name__}`, which the failed forward may have changed"
-    for label, tensor, version in versions:
-        if version_of(tensor) != version:
-            return f"the failed forward changed its input `{label}` in place"
-    return None
-
-
-def _odd(value, depth: int):
-    """The first object in `value` that is not plain data (tensors, numbers, strings, containers of them)."""
-    if isinstance(value, (torch.Tensor,) + _PLAIN):
-        return None
-    if isinstance(value, (list, tuple, dict)) and depth < 3:
-        items = list(value.values() if isinstance(value, dict) else value)[:_MAX_ITEMS]
-        return next((odd for odd in (_odd(item, depth + 1) for item in items) if odd is not None), None)
-    return value
-
-
-def _versions(args, kwargs) -> list:
-    """`(label, tensor, version)` of the input tensors (at the first level, and in a list, tuple or dict), to see an
-    input changed in place by a forward that then failed. Inference tensors have no counter: such a change is not
-    seen."""
-    found = []
-    for label, value in list(enumerate(args)) + list(kwargs.items()):
-        if isinstance(value, torch.Tensor):
-            found.append((label, value, version_of(value)))
-        elif isinstance(value, (list, tuple, dict)):
-            items = value.values() if isinstance(value, dict) else value
-            found += [(label, t, version_of(t)) for t in list(items)[:_MAX_ITEMS] if isinstance(t, torch.Tensor)]
-    return found
+    held = [_holder(slot[0]) for slot in running]
+    return tuple(name for holder, name in held if holder is session)
 
 
 def final_message(session, name: str, tried: List[str], error) -> str:

@@ -22,12 +22,15 @@ def next_rung(
 ) -> Tuple[Tuple[Tuple[str, str], ...], Optional[int]]:
     """`(moves, room)`: the next rung for component `name`, which ran out of device memory. First the other `resident`
     components that may leave (`hooked`, not in `stays`, not `running`), in the pipeline's `order`, with no room;
-    when none is left, `name` streams its blocks in the room `next_room` gives (from the device bytes it `held` and
-    the `least` room it can stream in), offloaded first where it is resident. No moves at its smallest residency."""
+    when none is left, `name` (unless it `stays`) streams its blocks in the room `next_room` gives (from the device
+    bytes it `held` and the `least` room it can stream in), offloaded first where it is resident. No moves at its
+    smallest residency."""
     others = [n for n in order if n in resident and n in hooked and n != name]
     others = [n for n in others if n not in stays and n not in running]
     if others:
         return tuple((OFFLOAD, n) for n in others), None
+    if name in stays:
+        return (), None  # excluded: it never leaves the device, not even to stream
     room = next_room(held, least)
     if room is None:
         return (), None

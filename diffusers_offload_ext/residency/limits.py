@@ -74,3 +74,22 @@ class ComponentLimits:
         # Whole on the device, more than it may hold beside its activations: it streams within its limit instead.
         moves += [(OFFLOAD, name), (STREAM, name)]
         return self.noting(Decision.of(moves, Overflow(name, self.sizes[name], limit)))
+
+    def within_budget(self, name: str, resident: AbstractSet[str], facts, choose: Callable) -> Decision:
+        """`name`, on the device already, runs again with more than the budget on the device (moved there from outside:
+        `pipe.to(device)`): the others leave (`choose` keeps what fits beside it), and where it is whole on the device,
+        larger than the budget, and can stream within it, it streams instead. Reads no free memory: a hot path."""
+        limit = self.avail
+        others = [n for n in self.offloaded if n in resident and n != name]
+        if limit is None or sum(held_bytes(self, n, facts) for n in [name] + others) <= limit:
+            return NOTHING
+        held = held_bytes(self, name, facts)
+        keep = choose(self, name, others, limit - held + self.sizes[name]) if held <= limit else set()
+        evicted = [n for n in others if n not in keep]
+        self.shadow.count(evicted=sum(self.sizes[n] for n in evicted))
+        moves = [(OFFLOAD, n) for n in evicted]
+        room = (facts.stream_rooms or {}).get(name)
+        if held <= limit or room is None or room > limit:
+            return Decision.of(moves)  # within the budget now, or it cannot stream in it: it runs alone
+        moves += [(OFFLOAD, name), (STREAM, name)]
+        return self.noting(Decision.of(moves, Overflow(name, self.sizes[name], limit)))

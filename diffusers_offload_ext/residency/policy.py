@@ -2,7 +2,7 @@
 one call to the next if asked, and evict what the predicted future needs least.
 
 A component that does not fit even alone streams its blocks within the limit (`STREAM`, carried out by the runtime,
-see `blocks.py`); one that fits alone but not beside the resident ones streams in the room they leave instead of
+see `blocks/`); one that fits alone but not beside the resident ones streams in the room they leave instead of
 evicting them, when the prediction runs it only once more in the call, the facts say it can in that room (`Facts.stream_rooms`)
 and the bytes saved against stock cover a wrong prediction.
 
@@ -139,7 +139,9 @@ class ResidencyPolicy(ComponentLimits, Policy):
         carry(self, name, resident)
         if name in resident and name in self.limits:
             return self.within_limit(name, resident, facts, choose)
-        if name in resident or name not in self.hooked:
+        if name in resident:  # more than the budget may be on the device: moved there from outside (`pipe.to`)
+            return self.within_budget(name, resident, facts, choose) if name in self.hooked else NOTHING
+        if name not in self.hooked:
             return NOTHING
         return self.noting(self._load(name, resident, facts))
 

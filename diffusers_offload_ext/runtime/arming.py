@@ -23,7 +23,6 @@ from .hook import attach, ours
 from . import host as host_plan
 from .options import OffloadOptions, resolve_options
 from .placement import Sizes
-from ..recovery.measuring import expect
 from . import status_text
 from .session import Session, session_of
 
@@ -263,7 +262,7 @@ def refresh_budget(session: Session) -> None:
 def before_call(session: Session, shape) -> None:
     """A call of `shape` is about to begin: the budget is chosen again when the shape, or what was learnt, is not
     what it was chosen for."""
-    expect(session, shape)
+    session.expect(shape)
     arming = session.arming
     if session.active and not session.calls.in_call and arming is not None and arming.options.residency:
         learnt = (session.activations.shape, session.activations.version)

@@ -12,7 +12,7 @@ from accelerate.utils import send_to_device
 
 from ..marks import HOOK_MARK, extension_hook
 from ..recovery import guard as recovery
-from . import sharing
+from . import inputs, sharing
 
 _compiler_disable = getattr(getattr(torch, "compiler", None), "disable", lambda fn: fn)
 
@@ -60,11 +60,22 @@ class DeferredCpuOffload(CpuOffload):
         # diffusers' `apply_forward_hook` (VAE encode/decode) calls `pre_forward(module)` with no inputs.
         if not args and not kwargs:
             return args, kwargs
-        if in_place(args, self.execution_device, self.session.readable) and in_place(
-            kwargs.values(), self.execution_device, self.session.readable
-        ):
+        slot = recovery.reading(module)  # its out-of-memory guard keeps the input tensors' version counters
+        placed, versions = inputs.read(args, kwargs, self.execution_device, self.session.readable, slot is not None)
+        if slot is not None:
+            slot[1] = versions
+        if placed:
             return args, kwargs  # what `send_to_device` would return, without walking the inputs again
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
+
+    @_compiler_disable
+    def post_forward(self, module, output):
+        # A prefetch started while this forward ran is waited on as it ends (the compute stream waits on its event; no
+        # host wait): code that runs between forwards (a step callback editing the weights) finds them complete.
+        transfer = self.session.transfer
+        if transfer is not None and transfer.pending:
+            transfer.flush()
+        return output
 
 
 # How code that must not import the runtime (the trace) recognises it: `marks.extension_hook`.
@@ -82,22 +93,6 @@ class OffloadHandle(UserCpuOffloadHook):
         remove_hook_from_module(self.model)
 
 
-_SCALARS = (int, float, bool, str, type(None))
-
-
-def in_place(values, device: torch.device, readable: bool) -> bool:
-    """Whether every input is a tensor already on `device`, or a plain scalar: sending them would change nothing.
-    Where the tensors cannot tell (the plain CPU: host and device are the same memory), a CPU tensor is in place."""
-    for value in values:
-        if type(value) is torch.Tensor:
-            where = value.device
-            if where != device and (readable or where.type != device.type):
-                return False
-        elif not isinstance(value, _SCALARS):
-            return False
-    return True
-
-
 def ours(module: torch.nn.Module):
     """The `DeferredCpuOffload` attached to `module` (alone or in accelerate's `SequentialHook`), or `None`."""
     return extension_hook(getattr(module, "_hf_hook", None))
@@ -106,15 +101,18 @@ def ours(module: torch.nn.Module):
 def attach(pipe, session) -> Dict[str, DeferredCpuOffload]:
     """One hook on every component `session` hooks, the chain's handles linked in chain order, and on the components
     its policy watches (excluded ones: their use is reported, nothing offloads them; no handle); `pipe._all_hooks`
-    holds the handles, as stock's does. Returns the hooks by component."""
+    holds the handles, as stock's does. Every one is guarded (`recovery/guard.py`), and so are the components that
+    stay on the device without a hook. Returns the hooks by component."""
     handles, hooks, previous = [], {}, None
     chain = session.arrangement.chain
     watched = session.policy.watched  # the policy hears when these run (an excluded one evicts); none offloads them
+    for module in session.modules.values():
+        recovery.unguard(module)  # an earlier arming's guard (accelerate would take it for the forward it hooks)
     for name in session.arrangement.hooked + tuple(n for n in session.layout.order if n in watched):
         module = session.modules[name]
         hook = DeferredCpuOffload(session, name, session.device, prev_module_hook=previous if name in chain else None)
         add_hook_to_module(module, hook, append=True)
-        recovery.guard(module)  # an out-of-memory error in its forward: room made, run again (`recovery.py`)
+        recovery.guard(module)  # an out-of-memory error in its forward: room made, run again (`recovery/guard.py`)
         hooks[name] = hook
         if name in watched:
             continue
@@ -122,6 +120,8 @@ def attach(pipe, session) -> Dict[str, DeferredCpuOffload]:
         handles.append(handle)
         if name in chain:
             previous = handle
+    for name in [n for n in session.layout.order if n in session.policy.stays and n not in hooks]:
+        recovery.guard(session.modules[name])  # no hook, but an out-of-memory error in it can make room too
     pipe._all_hooks = handles
     return hooks
 
@@ -131,3 +131,5 @@ def detach(module: torch.nn.Module, session) -> None:
     hook = getattr(module, "_hf_hook", None)
     if isinstance(hook, DeferredCpuOffload) and hook.session is session:
         remove_hook_from_module(module)
+    elif hook is None:
+        recovery.unguard(module)  # the guard of a component that had no hook

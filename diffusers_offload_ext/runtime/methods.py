@@ -16,7 +16,8 @@ from ..layout import modules_of
 from ..marks import MARK, STOCK, combined_of, get_session
 from ..recovery.activations import call_shape
 from .arming import arm, arm_again, before_call, validate
-from .hook import detach
+from .hook import detach, ours
+from ..recovery.guard import unguard
 from . import host
 from ..pinning.store import unpin
 from .options import docstring, signature, take
@@ -82,15 +83,22 @@ enable_model_cpu_offload.__doc__ = docstring(enable_model_cpu_offload)
 def remove_all_hooks(self) -> None:
     r"""
     Removes all hooks added by `enable_sequential_cpu_offload` or `enable_model_cpu_offload` (stock's), and forgets
-    this extension's instance-level `_exclude_from_cpu_offload`. Components stay where they are.
+    this extension's `exclude_from_offload` (the instance-level `_exclude_from_cpu_offload` it set goes; a list of your
+    own comes back as it was). Between calls, what the offload kept on the device
+    (`keep_on_device_between_generations`) goes back to the host first, as stock's end of call leaves it; excluded
+    components stay where they are, as in stock.
     """
     session = get_session(self)
     if session is not None:
         session.stop_moving()  # a component half on the device could not run without its hooks
+        if session.active and not session.calls.in_call:
+            session.release()  # without its hooks, nothing would bring it home
     STOCK["remove_all_hooks"](self)
     if session is not None:
-        session.disarm()
+        session.disarm(forget_exclusion=True)  # as stock drops the instance-level list
         host.disarmed(session)
+        for module in session.modules.values():
+            unguard(module)  # the guards of components that had no hook
         session.exclusion.restore(self)
         unpin(session.device, session.modules.values())
 
@@ -192,7 +200,7 @@ def guard_call(call):
         pipe, session = _armed_for(self)
         if session is None:
             return call(self, *args, **kwargs)
-        if session.active and not session.calls.in_call and _components_changed(pipe, session):
+        if session.active and not session.calls.in_call and pipe is self and _components_changed(pipe, session):
             pipe.enable_model_cpu_offload()
         before_call(session, call_shape(args, kwargs))
         failed = True
@@ -217,14 +225,27 @@ def guard_call(call):
 def _armed_for(pipe):
     """`(pipeline, session)` that a call of `pipe` belongs to: its own, or, for a sub-pipeline of a combined pipeline
     armed whole (called on its own, or from the combined pipeline's call), the combined pipeline's, so that its call
-    ends as stock's sub-pipeline call does (its own end of call) or nests in the combined call."""
+    ends as stock's sub-pipeline call does (its own end of call) or nests in the combined call; for a pipeline not
+    armed whose components carry one armed pipeline's hooks (made by `from_pipe`), that one's (`_hooks_session`)."""
     session = get_session(pipe)
     if session is None or not session.active:
         whole = combined_of(pipe)
         whole_session = get_session(whole) if whole is not None else None
         if whole_session is not None and whole_session.active:
             return whole, whole_session
+        borrowed = _hooks_session(pipe)
+        if borrowed is not None:
+            return pipe, borrowed
     return pipe, session
+
+
+def _hooks_session(pipe):
+    """The one armed session whose hooks `pipe`'s components carry, or `None`: a call of `pipe` runs through those
+    hooks, so it is a call of that session, which it ends (else what the options keep stays until that session's
+    next call ends)."""
+    found = {id(hook.session): hook.session for hook in map(ours, modules_of(pipe.components).values()) if hook}
+    sessions = [s for s in found.values() if s.active]
+    return sessions[0] if len(sessions) == 1 else None
 
 
 def _components_changed(pipe, session) -> bool:

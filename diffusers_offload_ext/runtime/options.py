@@ -213,6 +213,10 @@ class OffloadOptions:
         """Whether a host budget is in force (`host_memory_budget` set, not `"off"`)."""
         return self.host_budget is not None and self.host_budget != check.OFF
 
+    def without_exclusion(self) -> "OffloadOptions":
+        """These options, `exclude_from_offload` reset (`remove_all_hooks()` drops it, as stock drops its list)."""
+        return dataclasses.replace(self, exclude_from_offload=())
+
     @property
     def residency(self) -> bool:
         """Whether the residency manager is on: a `memory_budget` was set or `keep_on_device_between_generations`."""

@@ -1,17 +1,18 @@
-"""`Placement`: where one pipeline's armed components are. It holds the components, which of them are on the
-execution device (the tensors say where they can; the book's record where they cannot, on the plain CPU), the ones
-streaming their blocks and how little room each could stream in, and reads the truth again when a component's
-structure changed or its weights were moved from outside. It moves nothing whole: its session does."""
+"""`Placement`: where one pipeline's armed components are. It holds the components, reads which of them are on the
+execution device from the book (each module's one record, which every pipeline holding it shares; the tensors say
+where they can, and the record follows them), the ones streaming their blocks and how little room each could stream
+in, and reads the truth again when a component's structure changed or its weights were moved from outside. It moves
+nothing whole: its session does."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Callable, Dict, Iterator, List, Optional, Set
+from typing import Dict, FrozenSet, Iterator, List, Optional, Set
 
 import torch
 from diffusers.utils import logging
 
-from ..transfer import ELSEWHERE, MIXED, ON_DEVICE, ON_HOST, Transfer
+from ..transfer import ELSEWHERE, MIXED, ON_DEVICE, ON_HOST, Entry, Transfer
 from ..blocks.streamer import intact
 from . import sharing
 from ..blocks.streams import BlockStreams, stream_room
@@ -42,13 +43,14 @@ class Placement:
     """The armed components of one pipeline and where they are.
 
     Args:
-        record (`Callable`): The pipeline's move recorder (`Recorder.record`), for the moves of streamed blocks.
+        recorder (`Recorder`): The pipeline's move recorder, for the moves of streamed blocks.
         calls (`CallTracker`): The pipeline's calls (what a stream learned in a failed call is not used).
 
     Attributes:
         modules (`Dict[str, torch.nn.Module]`): The armed components, in the pipeline's order.
         entries (`Dict[str, Entry]`): Their entries in the transfer's book.
-        resident (`Set[str]`): Components on the execution device (a streaming one counts: it runs there).
+        resident (`FrozenSet[str]`): Components on the execution device (a streaming one counts: it runs there), read
+            from their entries (`Entry.resident`), less those that left the pipeline.
         readable (`bool`): Whether the tensors say where they are (the transfer's `readable`, for the hot path).
         streams (`BlockStreams`): The components that stream their blocks (larger than the room left them).
         stream_rooms (`Dict[str, int]`): The fewest device bytes each component can stream in (a fact for the policy,
@@ -57,15 +59,19 @@ class Placement:
             for `offload_status` and the budget.
     """
 
-    def __init__(self, record: Callable, calls) -> None:
+    def __init__(self, recorder, calls) -> None:
         self.modules: Dict[str, torch.nn.Module] = {}
         self.entries: Dict = {}
-        self.resident: Set[str] = set()
+        self._left: Set[str] = set()  # components that left the pipeline (until it is armed again)
+        self._resident: FrozenSet[str] = frozenset()
+        self._read = -1  # `Entry.flips` when `_resident` was read from the entries
         self.readable = False
-        self.streams = BlockStreams(record, calls)
+        self.streams = BlockStreams(recorder, calls)
         self.stream_rooms: Dict[str, int] = {}
         self._rooms_at: Dict[str, int] = {}  # each component's bytes when its stream room was measured
         self._names: Dict[int, str] = {}
+        self._shared: FrozenSet[str] = frozenset()
+        self._shared_at = -1  # `sharing.changes` when `_shared` was read
         self.fixed: Dict[str, torch.nn.Module] = {}
         self._book = None
 
@@ -83,17 +89,35 @@ class Placement:
         self.entries = {name: transfer.entry(module) for name, module in modules.items()}
         self._names = {id(module): name for name, module in modules.items()}
         self.readable = transfer.readable
-        self.resident = set()
+        self._left, self._read = set(), -1
         elsewhere = []
         for name, module in modules.items():
             where = transfer.locate(module)
-            if where in (ON_DEVICE, ELSEWHERE):
-                self.resident.add(name)
+            self.entries[name].resident = where in (ON_DEVICE, ELSEWHERE)
             if where == ELSEWHERE:
                 elsewhere.append(name)
             elif where == MIXED:
                 transfer.forget_host_copy(module)
         return elsewhere
+
+    @property
+    def resident(self) -> FrozenSet[str]:
+        if self._read != Entry.flips:
+            self._read = Entry.flips
+            self._resident = frozenset(n for n, e in self.entries.items() if e.resident and n not in self._left)
+        return self._resident
+
+    def shared(self, name: str) -> bool:
+        """Whether another pipeline holds component `name` too (read again only when who holds what changed)."""
+        if self._shared_at != sharing.changes:
+            self._shared_at = sharing.changes
+            self._shared = frozenset(n for n, module in self.modules.items() if sharing.shared(module))
+        return name in self._shared
+
+    def left(self, name: str) -> None:
+        """Component `name` left the pipeline: it no longer counts here, wherever it is (until armed again)."""
+        self._left.add(name)
+        self._read = -1
 
     def fixed_sizes(self) -> Dict[str, int]:
         """Bytes of each component that cannot move (counted against the budget where it was loaded)."""
@@ -137,12 +161,8 @@ class Placement:
         return name if name is not None and self.modules.get(name) is module else None
 
     def placed(self, module: torch.nn.Module, on_device: bool) -> None:
-        """`module` is now on the device (or not): this placement and those of every other pipeline holding it
-        follow."""
-        for placement in {self, *(session.placement for session in sharing.holders(module))}:
-            name = placement.name_of(module)
-            if name is not None:
-                (placement.resident.add if on_device else placement.resident.discard)(name)
+        """`module` is now on the device (or not): its record says so, which every pipeline holding it reads."""
+        self._book.entry(module).resident = on_device
 
     def drifted(self, name: str, transfer: Transfer) -> bool:
         """Constant-time: whether the record of `name` may be wrong (its structure changed, or its first tensor, or a

@@ -4,22 +4,22 @@ is asked; the transfer carries the decision out; every move is recorded once, in
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+import contextlib
+from typing import Callable, Dict, Optional
 
 import torch
 from diffusers.utils import logging
 
 from ..calls import CallTracker
-from ..constants import ARMING, END_OF_CALL, OFFLOAD, ONLOAD, PREFETCH, STREAM
+from ..constants import ARMING, END_OF_CALL, OFFLOAD, ONLOAD, OUT_OF_MEMORY, PREFETCH, STREAM
 from ..ledger import Recorder
 from ..marks import SESSION_ATTR, get_session
-from ..policies import NOTHING, Decision, Facts, Policy
-from ..transfer import COPY_STREAMS, Transfer, make_transfer
 from ..pinning import store as pinned
-from . import sharing
+from ..policies import Decision, Facts, Policy
 from ..recovery.activations import Activations
+from ..transfer import COPY_STREAMS, Transfer, make_transfer, memory
+from . import sharing
 from .exclusion import Exclusion
-from ..recovery.measuring import held_bytes
 from .options import OffloadOptions
 from .placement import Placement, Sizes
 
@@ -45,13 +45,13 @@ class Session:
         self.arming = None
         self.transfer: Optional[Transfer] = None
         self.policy: Optional[Policy] = None
-        self.placement = Placement(self.recorder.record, self.calls)
+        self.placement = Placement(self.recorder, self.calls)
         self.facts = Facts(Sizes(self.placement, None), None, self.placement.stream_rooms, self.streams.held)
         self.hooks: Dict[str, object] = {}
         self.exclusion = Exclusion()
         self.forecasts: dict = {}  # the residency policies' value tables, kept across this pipeline's policies
         self.active = False
-        self.activations = Activations()  # what each call shape's activations need (`runtime/activations.py`)
+        self.activations = Activations()  # what each call shape's activations need (`recovery/activations.py`)
 
     # -- read through ----------------------------------------------------------------------------------------------
     ledger = property(lambda self: self.recorder.ledger)
@@ -74,7 +74,7 @@ class Session:
         """Take `arming` over `modules` as they are now (and `fixed`, those that cannot move): the transfer, where each
         one is, the stream rooms. Then come the policy (`decide_with`), the hooks (`armed`), the moves (`rearm`...)."""
         self.stop_moving()
-        self.transfer = _transfer_for(self, arming)
+        self.transfer = self._transfer_for(arming)
         stays = set(arming.arrangement.excluded) | set(arming.arrangement.round_trip)
         going = [m for n, m in self.modules.items() if modules.get(n) is not m or n in stays]
         pinned.unpin(self.device, going if self.transfer.pinning is not None else self.modules.values())  # old device
@@ -92,12 +92,13 @@ class Session:
 
     def armed(self, hooks: Dict[str, object]) -> None:
         """The hooks are attached: offload is on."""
-        self.hooks = hooks
-        self.active = True
+        self.hooks, self.active = hooks, True
 
-    def disarm(self) -> None:
-        """The hooks are gone (`remove_all_hooks()`, or a combined pipeline armed whole over this sub-pipeline)."""
+    def disarm(self, forget_exclusion: bool = False) -> None:
+        """The hooks are gone (`remove_all_hooks()`, then `forget_exclusion`; or a combined pipeline armed whole)."""
         self.active = False
+        if forget_exclusion and self.arming is not None:  # `exclude_from_offload` ends with them
+            self.arming = self.arming._replace(options=self.options.without_exclusion())
 
     def stop_moving(self) -> None:
         """Every pending prefetch waited on, every streaming component back on the host."""
@@ -121,17 +122,22 @@ class Session:
             self.transfer.book.refresh(placement.modules[name], entry)
         if placement.stream_room_stale(name):
             placement.measure_streams([name])  # its blocks changed: so may the room it streams in
-        _stop_others_streams(self, name)  # this pipeline runs it: it places it
+        self._stop_others_streams(name)  # this pipeline runs it: it places it
         calls = self.calls
         if calls.depth:
             calls.current.append(name)
-        self.activations.close(self.device)
+        activations = self.activations
+        if activations.measuring:
+            activations.close(self.device)
         decision = self.policy.on_use(name, placement.resident, self.facts)
-        if decision is not NOTHING:
-            self.carry_out(decision, f"room for {name}")
+        if decision.moves:  # `carry_out`, made here: the load's path to `Module.to` stays short
+            with self.recorder.evicting(f"room for {name}"):
+                for direction, moved in decision.moves:
+                    self.move(moved, direction, decision.overflow)
         if self.transfer.pending:
             self.transfer.ready(placement.modules[name])
-        self.activations.open(self.device, lambda: held_bytes(self), name)
+        if activations.measuring:
+            activations.open(self.device, self.held_bytes, name)
 
     def request_offload(self, name: str) -> None:
         """Pipeline code called the component's `hook.offload()`."""
@@ -152,7 +158,7 @@ class Session:
         if name in self.resident and not others and self.transfer is not None:
             self.move(name, OFFLOAD)
         sharing.leave(self, module)
-        self.resident.discard(name)
+        self.placement.left(name)
 
     def moved_outside(self, target: Optional[torch.device]) -> None:
         """`pipe.to(...)` moved components (see `Placement.moved_outside`)."""
@@ -174,14 +180,13 @@ class Session:
 
     def end_of_call(self, failed: bool) -> None:
         """The end of the call in progress, once per call (`maybe_free_model_hooks()`, or the call guard when the call
-        returned or raised without it): streams stop unless components stay between calls (`_end_streams`), the
-        policy's end-of-call moves are made; unless it `failed`, its trace joins the history and its streams' lessons.
-        """
+        returned or raised without it): streams stop unless components stay between calls, the policy's end-of-call
+        moves are made; unless it `failed`, its trace joins the history and its streams' lessons (`_end_streams`)."""
         self.calls.end_trace(failed)
         self.activations.end(self.device, failed)
         if self.hooks:
             with self.recorder.evicting(END_OF_CALL):
-                _end_streams(self, failed)
+                self._end_streams(failed)
             self.carry_out(self.policy.on_call_end(self.resident, self.facts), END_OF_CALL)
         self.streams.end_call(failed)
 
@@ -200,116 +205,147 @@ class Session:
 
     # -- moves ------------------------------------------------------------------------------------------------------
     def carry_out(self, decision: Decision, cause: Optional[str] = None) -> None:
-        with self.recorder.evicting(cause):  # the offloads' `cause` in the ledger
+        """The moves of `decision`, in order; its offloads' `cause` in the ledger."""
+        with self.recorder.evicting(cause):
             for direction, name in decision.moves:
-                if direction != STREAM:
-                    self.move(name, direction)
-                    continue
-                module = self.modules[name]
-                if self.streams.begin(name, module, decision.overflow, self.transfer, self.options.drops):
-                    self.placement.placed(module, True)
-                else:
-                    self.move(name, ONLOAD)  # it cannot stream: loaded whole, alone
+                self.move(name, direction, decision.overflow)
 
     def stop_streams(self) -> None:
         """Every streaming component back on the host."""
         for name in list(self.streams.active):
             self.move(name, OFFLOAD)
 
-    def move(self, name: str, direction: str) -> None:
-        """Move one component through the transfer and record it; every pipeline holding it learns where it is."""
+    def move(self, name: str, direction: str, overflow=None) -> None:
+        """Move component `name` (`ONLOAD`, `OFFLOAD`, `PREFETCH`, or `STREAM` within `overflow.limit`) through the
+        transfer and record it once; every pipeline holding it learns where it is."""
         module = self.modules[name]
+        if direction == STREAM:
+            if self.streams.begin(name, module, overflow, self.transfer, self.options.drops):
+                return self.placement.placed(module, True)
+            direction = ONLOAD  # it cannot stream: loaded whole, alone
         if name in self.streams.active:
-            return _stop_stream(self, name, direction)
-        if _stop_others_streams(self, name) and direction == OFFLOAD:
+            return self._stop_stream(name, direction)
+        if self._stop_others_streams(name) and direction == OFFLOAD:
             return  # it streamed for another pipeline sharing it: that stream sent it home
         ahead, direction = direction == PREFETCH, ONLOAD if direction == PREFETCH else direction
-
-        def carry() -> Tuple[int, str]:
-            with torch.profiler.record_function(f"diffusers_offload_ext::{direction}::{name}"):
-                moved = _transferred(self, name, direction, ahead)
-            self.placement.placed(module, direction == ONLOAD)
-            return moved.nbytes, PREFETCH if ahead else moved.kind
-
-        booker = _booker(self, module)
-        record = booker.recorder.record(booker.name_of(module) or name, direction, module, carry)
+        booker = self._booker(module)
+        booked, recorder = booker.name_of(module) or name, booker.recorder
+        began = recorder.begin(booked, direction, module)
+        with torch.profiler.record_function(f"diffusers_offload_ext::{direction}::{name}"):
+            if direction == ONLOAD:
+                load = self.transfer.prefetch if ahead else self.transfer.onload
+                moved = load(module, keep_host=self._keeps_host(name), check=self.options.drops)
+            else:
+                moved = self.transfer.offload(module)
+        self.placement.placed(module, direction == ONLOAD)
+        record = recorder.finish(began, booked, direction, moved.nbytes, PREFETCH if ahead else moved.kind)
         logger.debug(f"{direction} `{name}` ({record.nbytes} bytes, {record.kind})")
         if direction == ONLOAD:
-            _make_room(module, self)
+            self._others_make_room(module)
 
+    def _keeps_host(self, name: str) -> bool:
+        """An onload of `name` keeps its host copy where an eviction may drop it (or page-locked host memory is kept),
+        unless the component never leaves the device."""
+        return (self.options.drops or self.transfer.pinning is not None) and name not in self.policy.stays
 
-def _end_streams(session: Session, failed: bool) -> None:
-    """A call ends: streams stop, unless components stay between calls; then their rings are emptied, and those that
-    would keep other blocks now (`BlockStreams.replanned`; not after a failed call) stop, to start again."""
-    if not session.options.keep_between:
-        session.stop_streams()
-        return
-    session.streams.settle()
-    for name in [] if failed else session.streams.replanned():
-        session.move(name, OFFLOAD)
+    def _booker(self, module: torch.nn.Module) -> "Session":
+        """The session whose ledger records a move of `module` made here: that of the innermost pipeline call running
+        that holds it (its call made the move, even where another pipeline's budget chose it), else this one."""
+        holder = sharing.running_holder(module) if sharing.running else None
+        return self if holder is None else holder
 
+    def _others_make_room(self, module: torch.nn.Module) -> None:
+        """This session put `module` on the device: every other pipeline holding it makes room for it if it must."""
+        for other in sharing.holders(module):
+            if other is not self and other.policy is not None:
+                other.carry_out(other.policy.on_shared_load(other.name_of(module), other.resident, other.facts))
 
-def _stop_stream(session: Session, name: str, direction: str) -> None:
-    """`name` streams for `session`: an onload leaves it so (it runs on the device already, block by block); any other
-    move stops the stream (each block's move is in the ledger)."""
-    if direction != ONLOAD:
-        session.streams.stop(name, session.transfer)
-        session.placement.placed(session.modules[name], False)
+    def _end_streams(self, failed: bool) -> None:
+        """A call ends: streams stop, unless components stay between calls; then their rings are emptied, and those
+        that would keep other blocks now (`BlockStreams.replanned`; not after a failed call) stop, to start again."""
+        if not self.options.keep_between:
+            self.stop_streams()
+            return
+        self.streams.settle()
+        for name in [] if failed else self.streams.replanned():
+            self.move(name, OFFLOAD)
 
+    def _stop_stream(self, name: str, direction: str) -> None:
+        """`name` streams for this session: an onload leaves it so (it runs on the device already, block by block);
+        any other move stops the stream (each block's move is in the ledger)."""
+        if direction != ONLOAD:
+            self.streams.stop(name, self.transfer)
+            self.placement.placed(self.modules[name], False)
 
-def _stop_others_streams(session: Session, name: str) -> bool:
-    """`session` runs or moves its component `name`: where another pipeline sharing it keeps it streaming, that stream
-    stops first (into that pipeline's ledger), and `session` places it by its own policy. Whether one stopped."""
-    if name in session.streams.active:
-        return False
-    module, stopped = session.modules[name], False
-    for other in sharing.holders(module):
-        theirs = other.name_of(module) if other is not session else None
-        if theirs is not None and theirs in other.streams.active:
-            other.streams.unlearn(theirs)  # not a pass of its own calls: its plan stays
-            other.move(theirs, OFFLOAD)
-            stopped = True
-    return stopped
+    def _stop_others_streams(self, name: str) -> bool:
+        """This session runs or moves its component `name`: where another pipeline sharing it keeps it streaming, that
+        stream stops first (into that pipeline's ledger), and this session places it by its own policy. Whether one
+        stopped."""
+        if name in self.streams.active or not self.placement.shared(name):
+            return False
+        module, stopped = self.modules[name], False
+        for other in sharing.holders(module):
+            theirs = other.name_of(module) if other is not self else None
+            if theirs is not None and theirs in other.streams.active:
+                other.streams.unlearn(theirs)  # not a pass of its own calls: its plan stays
+                other.move(theirs, OFFLOAD)
+                stopped = True
+        return stopped
 
+    def _transfer_for(self, arming) -> Transfer:
+        """The transfer for `arming`'s device and options: the one in force where it fits; on another device, what
+        this session put on the old one goes home first."""
+        transfer = self.transfer
+        if transfer is not None and self.device != arming.device:
+            for name in sorted(self.resident & set(self.modules)):
+                self.move(name, OFFLOAD)
+            transfer = None
+        overlaps = arming.options.prefetches and arming.device.type in COPY_STREAMS
+        if transfer is None or transfer.asynchronous != overlaps:
+            transfer = make_transfer(arming.device, prefetch=overlaps)
+        transfer.pinning = pinned.store_for(arming.device) if arming.options.pins is not False else None
+        return transfer
 
-def _transferred(session: Session, name: str, direction: str, ahead: bool):
-    """Component `name` moved through `session`'s transfer; an onload keeps its host copy where an eviction may drop
-    it (or page-locked host memory is kept), unless the component never leaves the device."""
-    module, transfer = session.modules[name], session.transfer
-    if direction != ONLOAD:
-        return transfer.offload(module)
-    keep_host = (session.options.drops or transfer.pinning is not None) and name not in session.policy.stays
-    onload = transfer.prefetch if ahead else transfer.onload
-    return onload(module, keep_host=keep_host, check=session.options.drops)
+    # -- what calls need beyond the weights, and out-of-memory recovery ------------------------------------------------
+    def expect(self, shape) -> None:
+        """The next pipeline call has `shape` (`activations.call_shape`): its budget is chosen for it, and what it
+        needs beyond the weights is measured from now on where the device tells."""
+        if not self.calls.in_call:
+            self.activations.expect(shape)
+            if self.active:
+                self.activations.begin(self.device, self.held_bytes())
 
+    def held_bytes(self) -> int:
+        """Bytes of this pipeline's weights on the device (of a streaming component, its kept blocks and ring)."""
+        choices, sizes = self.streams.choices, self.facts.sizes
+        return sum(choices[n].device_bytes if n in choices else sizes[n] for n in self.resident)
 
-def _booker(session: Session, module: torch.nn.Module) -> Session:
-    """The session whose ledger records a move of `module` that `session` makes: that of the innermost pipeline call
-    running that holds it (its call made the move, even where another pipeline's budget chose it), else `session`."""
-    holder = sharing.running_holder(module) if sharing.running else None
-    return session if holder is None else holder
+    def carry_out_rung(self, decision: Decision) -> None:
+        """Carry out a rung of an out-of-memory recovery (`recovery/guard.py`), each move recorded with cause
+        `"out-of-memory"` (a move that runs out of memory itself ends the rung), then give what it freed back."""
+        self.activations.close(self.device)
+        with contextlib.ExitStack() as causes:
+            # The ledger that books a move of a shared component may be another running call's (`_booker`).
+            for recorder in {id(s.recorder): s.recorder for s in [self] + sharing.running}.values():
+                causes.enter_context(recorder.caused(OUT_OF_MEMORY))
+            self.streams.settle()
+            try:
+                self.carry_out(decision)
+            except torch.OutOfMemoryError:
+                logger.debug("A rung of an out-of-memory recovery ran out of device memory itself.")
+        memory.release_cached(self.device)
+        self.activations.open(self.device, self.held_bytes())
 
-
-def _make_room(module: torch.nn.Module, loader: Session) -> None:
-    """`loader` put `module` on the device: every other pipeline holding it makes room for it if it must."""
-    for other in sharing.holders(module):
-        if other is not loader and other.policy is not None:
-            other.carry_out(other.policy.on_shared_load(other.name_of(module), other.resident, other.facts))
-
-
-def _transfer_for(session: Session, arming) -> Transfer:
-    """The transfer for `arming`'s device and options: the one in force where it fits; on another device, what the
-    session put on the old one goes home first."""
-    transfer = session.transfer
-    if transfer is not None and session.device != arming.device:
-        for name in sorted(session.resident & set(session.modules)):
-            session.move(name, OFFLOAD)
-        transfer = None
-    overlaps = arming.options.prefetches and arming.device.type in COPY_STREAMS
-    if transfer is None or transfer.asynchronous != overlaps:
-        transfer = make_transfer(arming.device, prefetch=overlaps)
-    transfer.pinning = pinned.store_for(arming.device) if arming.options.pins is not False else None
-    return transfer
+    def recovered(self, name: str, failed_held: int) -> None:
+        """Component `name` ran again after an out-of-memory error (with `failed_held` bytes of weights on the device
+        when it failed) and completed: what the device holds now fitted beside its activations. The call shape
+        learns it, and the residency manager allows no more while `name` runs, from now on (the explicit
+        `memory_budget` stays the cap)."""
+        held = self.held_bytes()
+        allowed = getattr(self.policy, "allowed", lambda _: None)(name)
+        self.activations.recovered(name, held, within=allowed is None or failed_held <= allowed)
+        if hasattr(self.policy, "limit_while"):
+            self.policy.limit_while(name, held)
 
 
 def session_of(pipe) -> Session:

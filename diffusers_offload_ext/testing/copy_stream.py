@@ -1,5 +1,5 @@
 """`fake_cuda`: a stand-in for `torch.cuda`'s streams and events on the simulated accelerator (`cpu:0`), so that the
-transfer's own CUDA code (`transfer/copy_stream.py`, `transfer/ring.py`, `transfer/synchronous.py`) runs in the tests,
+transfer's own CUDA code (`pinning/copy_stream.py`, `transfer/copier.py`, `transfer/synchronous.py`) runs in the tests,
 with the semantics it depends on modelled adversarially:
 
 - **in flight until waited on**: a non-blocking copy from page-locked memory on a side stream lands when the compute

@@ -7,7 +7,6 @@ from typing import Callable, Dict, List
 
 import torch
 
-from ..pinning import store as pinned
 from .base import ELSEWHERE, EMPTY, HOST, MIXED, ON_DEVICE, ON_HOST, ON_META, Moved, Transfer, tensors_report
 from .book import BOOK, Book, Entry, first_tensor, module_nbytes
 from .host_copy import HostCopy
@@ -63,6 +62,5 @@ __all__ = [
     "first_tensor",
     "make_transfer",
     "module_nbytes",
-    "pinned",
     "tensors_report",
 ]

@@ -3,7 +3,9 @@
 
 Structure changes are seen as they happen: torch's global registration hooks report every sub-module, parameter and
 buffer assigned anywhere, and the book marks the entry of the component it belongs to as `dirty`, so that the next
-use re-reads the component (a replaced `conv_in` brings host weights) at constant cost per forward otherwise.
+use re-reads the component (a replaced `conv_in` brings host weights) at constant cost per forward otherwise. While
+Dynamo traces a compiled forward, which builds modules of its own (a UNet's mid block slices `self.resnets[1:]`), the
+hooks return at once: they add nothing to its graph.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ class Entry:
     """What the book knows of one component module.
 
     Attributes:
-        resident (`bool`): On the execution device, as far as the extension moved it (the only record where host and
-            device share memory; elsewhere the tensors say, and `resident` follows them).
+        resident (`bool`): On the execution device: the one record of it, which every pipeline holding the module
+            reads (where host and device share memory it is all there is; elsewhere the tensors say, and it follows
+            them). `Entry.flips` counts its changes, of every entry: a reader may keep what it derived until it moves.
         host_copy (`HostCopy` or `None`): Its host tensors, kept while it is on the device (zero-copy eviction).
         sentinel (`torch.Tensor` or `None`): Its first tensor: where it is, is where the component is said to be.
         nbytes (`int`): Its bytes (parameters and buffers), as of the last `refresh`.
@@ -54,15 +57,35 @@ class Entry:
         changes (`int`): How many times one was assigned, ever (`refresh` does not reset it).
     """
 
-    __slots__ = ("resident", "host_copy", "sentinel", "nbytes", "dirty", "changes", "__weakref__")
+    __slots__ = ("_resident", "host_copy", "sentinel", "nbytes", "dirty", "changes", "__weakref__")
+
+    #: How many times any entry's `resident` changed, process-wide.
+    flips = 0
 
     def __init__(self) -> None:
-        self.resident = False
+        self._resident = False
         self.host_copy: Optional[HostCopy] = None
         self.sentinel: Optional[torch.Tensor] = None
         self.nbytes = 0
         self.dirty = True
         self.changes = 0
+
+    @property
+    def resident(self) -> bool:
+        return self._resident
+
+    @resident.setter
+    def resident(self, value: bool) -> None:
+        value = bool(value)
+        if value is not self._resident:
+            self._resident = value
+            Entry.flips += 1
+
+
+def _compiling() -> bool:
+    """Whether Dynamo is tracing the code running now (a registration hook it traced would break the graph)."""
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
 
 
 class Book:
@@ -108,6 +131,8 @@ class Book:
         ]
 
     def _assigned(self, parent, name, value):
+        if _compiling():
+            return None  # a module built inside a compiled forward (`self.resnets[1:]`) is no structure change
         reference = self._owner.get(parent)
         entry = reference() if reference is not None else None
         if entry is not None:

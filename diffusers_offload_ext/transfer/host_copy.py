@@ -95,7 +95,7 @@ class HostCopy:
     """The host tensors of one component while it is on the execution device.
 
     Create it just before the onload, call `seal(module)` just after; at eviction `unchanged(module)` tells whether
-    `restore(module)` may replace the copy back. With `only` (a block's slots, see `blocks.py`) it covers those
+    `restore(module)` may replace the copy back. With `only` (a block's slots, see `blocks/find.py`) it covers those
     tensors of `module` alone.
     """
 

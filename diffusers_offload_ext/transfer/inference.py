@@ -25,17 +25,6 @@ def ordinary_tensors(inference_parameters: bool):
     return torch.inference_mode(bool(inference_parameters))
 
 
-def moves_ordinary_tensors(method):
-    """Runs a `Transfer` method, whose first argument is the module it moves, in `ordinary_tensors`' mode."""
-
-    @functools.wraps(method)
-    def run(self, module, *args, **kwargs):
-        with ordinary_tensors(has_inference_parameters(module)):
-            return method(self, module, *args, **kwargs)
-
-    return run
-
-
 def streams_ordinary_tensors(method):
     """Runs a `BlockStreamer` method in `ordinary_tensors`' mode for its component (its `inference_parameters`)."""
 

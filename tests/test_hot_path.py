@@ -1,0 +1,90 @@
+"""The hook's path (issue 29, item 3): a component loaded at its hook passes at most 3 Python frames more than stock's
+between accelerate's `new_forward` and `torch.nn.Module.to`, stock counted in the same test; and a guarded forward
+keeps the signature `inspect` reads.
+
+Counted on the tiny FLUX pipeline on the plain CPU (the simulated accelerator adds its own frames to every move). The
+compiler's disable wrappers are left out of both counts (`torch.compiler.disable`'s, and accelerate's lazy one around
+it): our hook has one on every stack for `torch.compile`, accelerate's `CpuOffload` only from accelerate 1.7 on."""
+
+import inspect
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the extension's hook")
+
+import diffusers_offload_ext as doe  # noqa: E402
+from diffusers_offload_ext.testing import tiny  # noqa: E402
+
+pytestmark = [pytest.mark.plugin_only, pytest.mark.usefixtures("installed")]
+NAME = "flux"
+
+
+def _disable_wrapper(frame) -> bool:
+    code = frame.f_code
+    qualname = getattr(code, "co_qualname", code.co_name)
+    return "/torch/_dynamo/" in code.co_filename.replace("\\", "/") or qualname.startswith("_compiler_disable.")
+
+
+def _from_the_hook(frame):
+    """Frames from `frame` (the caller of `Module.to`) up to accelerate's `new_forward`, wrappers left out; `None`
+    where the move was not made at a hook."""
+    found = 0
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "new_forward" and code.co_filename.replace("\\", "/").endswith("accelerate/hooks.py"):
+            return found
+        found += 0 if _disable_wrapper(frame) else 1
+        frame = frame.f_back
+    return None
+
+
+def frames_to_the_first_load(pipe, monkeypatch, name="transformer") -> int:
+    """Frames between accelerate's `new_forward` and `torch.nn.Module.to` (diffusers' own `ModelMixin.to` among
+    them) when component `name` is first moved at its hook in a call."""
+    component, found, real = getattr(pipe, name), [], torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        if self is component and not found:
+            count = _from_the_hook(sys._getframe(1))
+            if count is not None:
+                found.append(count)
+        return real(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.nn.Module, "to", to)
+        tiny.run(pipe, NAME)
+    assert found, f"`{name}` was never moved at its hook"
+    return found[0]
+
+
+def test_a_load_at_a_hook_passes_at_most_three_frames_more_than_stock(monkeypatch):
+    doe.uninstall()
+    try:
+        stock_pipe = tiny.build(NAME)
+        stock_pipe.enable_model_cpu_offload(device="cpu")
+        stock = frames_to_the_first_load(stock_pipe, monkeypatch)
+    finally:
+        doe.install()
+    pipe = tiny.build(NAME)
+    pipe.enable_model_cpu_offload(device="cpu")
+    ours = frames_to_the_first_load(pipe, monkeypatch)
+    assert stock >= 2  # accelerate's pre_forward, diffusers' ModelMixin.to
+    assert ours <= stock + 3, (ours, stock)
+
+
+def test_a_guarded_forward_keeps_its_signature():
+    pipe = tiny.build(NAME)
+    before = {
+        "transformer.forward": inspect.signature(pipe.transformer.forward),
+        "vae.decode": inspect.signature(pipe.vae.decode),
+        "vae.encode": inspect.signature(pipe.vae.encode),
+    }
+    pipe.enable_model_cpu_offload(device="cpu")
+    after = {
+        "transformer.forward": inspect.signature(pipe.transformer.forward),
+        "vae.decode": inspect.signature(pipe.vae.decode),
+        "vae.encode": inspect.signature(pipe.vae.encode),
+    }
+    assert after == before
