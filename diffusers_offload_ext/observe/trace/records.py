@@ -97,6 +97,8 @@ class CallInfo:
             or `"none"`.
         replayed (`bool`): Its moves were replayed from stock's policy (not measured).
         uses (`List[ComponentUse]`): The component-call trace.
+        host (`dict` or `None`): Under a host budget (`host_memory_budget`), the pipeline's host bytes at the call's
+            end: `budget`, `page_locked` (the staging ring included), `anonymous`, `file_backed`; `None` without one.
     """
 
     index: int
@@ -107,6 +109,7 @@ class CallInfo:
     mode: str = "none"
     replayed: bool = False
     uses: List[ComponentUse] = dataclasses.field(default_factory=list)
+    host: Optional[dict] = None
 
 
 def to_document(trace) -> dict:
