@@ -264,8 +264,8 @@ def _footer(result: dict, columns: int, details: bool) -> List[str]:
     )
     lines = output.wrap(
         f"{seconds[0].upper()}{seconds[1:]}: {rates[0]} host-to-device and {rates[1]} back from pageable memory, "
-        f"{rates[2]} page-locked ({source}: rate profile {bandwidth['profile']}, {bandwidth['profile_device']}; "
-        "`diffusers-offload doctor --measure` measures yours, --profile reads it).",
+        f"{rates[2]} page-locked ({source}: rate profile {bandwidth['profile']}, "
+        f"{str(bandwidth['profile_device']).split(',')[0]}; `doctor --measure` measures yours, --profile reads it).",
         columns,
         "  ",
     )
