@@ -9,6 +9,7 @@ only meaningful as ratios measured in one run.
 
 import argparse
 import platform
+import time
 import timeit
 
 import accelerate
@@ -77,12 +78,19 @@ def probe_inputs() -> dict:
     )
 
 
-def per_forward_us(module, calls: int) -> float:
+def interleaved(probes, calls: int, rounds: int = 15) -> dict:
+    """Microseconds per forward of each `(label, module)`, the best of `rounds` rounds in which every module is timed
+    once in turn: a machine whose load changes during the run slows them all alike, not the ones timed last."""
     inputs = probe_inputs()
+    best = {label: float("inf") for label, _ in probes}
     with torch.no_grad():
-        module(**inputs)  # the first call may move; then it is on the device
-        best = min(timeit.repeat(lambda: module(**inputs), number=calls, repeat=5))
-    return best / calls * 1e6
+        for _, module in probes:
+            module(**inputs)  # the first call may move; then it is on the device
+        for _ in range(rounds):
+            for label, module in probes:
+                seconds = timeit.timeit(lambda: module(**inputs), number=calls, timer=time.thread_time)
+                best[label] = min(best[label], seconds / calls * 1e6)
+    return best
 
 
 def ours(layers: int, **options):
@@ -108,17 +116,19 @@ def main() -> None:
     ):
         hook, hooked = ours(args.layers, **options)
         rows.append((f"DeferredCpuOffload, {label}, cpu:0", per_call_us(hook, hooked, args.calls)))
-    bare = per_forward_us(Probe(), args.calls)
     stock = Probe()
     add_hook_to_module(stock, CpuOffload(torch.device("cpu")), append=True)
-    forwards = [("stock CpuOffload, execution device cpu", per_forward_us(stock, args.calls) - bare)]
+    probes = [("bare", Probe()), ("stock CpuOffload, execution device cpu", stock)]
     for label, options in (
         ("defaults (stock's chain)", {}),
         ("keep_on_device_between_generations", {"keep_on_device_between_generations": True}),
     ):
         pipe = OneComponent(Probe())
         pipe.enable_model_cpu_offload(device="cpu", **options)
-        forwards.append((f"DeferredCpuOffload, {label}, cpu:0", per_forward_us(pipe.component, args.calls) - bare))
+        probes.append((f"DeferredCpuOffload, {label}, cpu:0", pipe.component))
+    best = interleaved(probes, args.calls)
+    bare = best.pop("bare")
+    forwards = [(label, us - bare) for label, us in best.items()]
     print(
         f"torch {torch.__version__}, accelerate {accelerate.__version__}, {platform.processor() or platform.machine()}"
     )

@@ -5,6 +5,7 @@ combined pipeline armed whole over it."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 from diffusers import DiffusionPipeline
@@ -21,6 +22,10 @@ COMBINED_ATTR = "_offload_ext_combined"
 ADAPTED = "__offload_ext_adapts__"
 #: A class attribute, true on the extension's offload hook (`DeferredCpuOffload`).
 HOOK_MARK = "_offload_ext_hook"
+
+#: Each session's host side under a host budget (`host/keeper.py`'s `HostKeeper`: its plan, staging ring and last
+#: measurement of host bytes by kind), kept beside the session: the runtime writes it, the trace reads it.
+HOST_SIDES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 #: The `DiffusionPipeline` methods `install()` replaces.
 REPLACED = (
@@ -39,6 +44,11 @@ STOCK = {name: getattr(DiffusionPipeline.__dict__[name], MARK, DiffusionPipeline
 def get_session(pipe) -> Optional[Any]:
     """The extension's `Session` of `pipe`, or `None` when the extension never armed it."""
     return pipe.__dict__.get(SESSION_ATTR)
+
+
+def host_side(session) -> Optional[Any]:
+    """The host side (`HostKeeper`) of `session`, or `None` where no host budget was ever in force."""
+    return HOST_SIDES.get(session) if session is not None else None
 
 
 def extension_hook(hook) -> Optional[Any]:

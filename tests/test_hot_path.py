@@ -1,6 +1,7 @@
 """The hook's path (issue 29, item 3): a component loaded at its hook passes at most 3 Python frames more than stock's
-between accelerate's `new_forward` and `torch.nn.Module.to`, stock counted in the same test; and a guarded forward
-keeps the signature `inspect` reads.
+between the code that runs the hook (accelerate's `new_forward`; ours: the out-of-memory guard, which runs
+accelerate's hooked forward itself) and `torch.nn.Module.to`, stock counted in the same test; an eager forward passes
+no compiler wrapper and one frame more than stock's; and a guarded forward keeps the signature `inspect` reads.
 
 Counted on the tiny FLUX pipeline on the plain CPU (the simulated accelerator adds its own frames to every move). The
 compiler's disable wrappers are left out of both counts (`torch.compiler.disable`'s, and accelerate's lazy one around
@@ -24,16 +25,23 @@ NAME = "flux"
 def _disable_wrapper(frame) -> bool:
     code = frame.f_code
     qualname = getattr(code, "co_qualname", code.co_name)
-    return "/torch/_dynamo/" in code.co_filename.replace("\\", "/") or qualname.startswith("_compiler_disable.")
+    return "/torch/_dynamo/" in code.co_filename.replace("\\", "/") or qualname.startswith(
+        ("_compiler_disable.", "outside_graphs.")
+    )
 
 
 def _from_the_hook(frame):
-    """Frames from `frame` (the caller of `Module.to`) up to accelerate's `new_forward`, wrappers left out; `None`
-    where the move was not made at a hook."""
+    """Frames from `frame` (the caller of `Module.to`) up to the code that runs the hook around the forward:
+    accelerate's `new_forward`, or the out-of-memory guard's `_run`, which runs accelerate's hooked forward
+    in its place (`recovery/guard.py`); wrappers left out. `None` where the move was not made at a hook."""
     found = 0
     while frame is not None:
         code = frame.f_code
-        if code.co_name == "new_forward" and code.co_filename.replace("\\", "/").endswith("accelerate/hooks.py"):
+        path = code.co_filename.replace("\\", "/")
+        if (code.co_name, path.endswith("accelerate/hooks.py")) == ("new_forward", True) or (
+            code.co_name,
+            path.endswith("recovery/guard.py"),
+        ) == ("_run", True):
             return found
         found += 0 if _disable_wrapper(frame) else 1
         frame = frame.f_back
@@ -88,3 +96,63 @@ def test_a_guarded_forward_keeps_its_signature():
         "vae.encode": inspect.signature(pipe.vae.encode),
     }
     assert after == before
+
+
+def _frames_below_the_call(frame) -> list:
+    """`(file, function)` of the frames from `frame` up to (not including) `torch.nn.Module._call_impl`."""
+    found = []
+    while frame is not None and frame.f_code.co_name != "_call_impl":
+        found.append((frame.f_code.co_filename.replace("\\", "/"), frame.f_code.co_name))
+        frame = frame.f_back
+    return found
+
+
+def _stack_at_the_forward(pipe, name="transformer") -> list:
+    """The frames between `Module.__call__` and component `name`'s own forward at a steady forward (nothing moves)."""
+    component, found = getattr(pipe, name), []
+    own = component._old_forward if hasattr(component, "_old_forward") else component.forward
+
+    def forward(*args, **kwargs):
+        found.append(_frames_below_the_call(sys._getframe(1)))
+        return own(*args, **kwargs)
+
+    tiny.run(pipe, NAME)  # a first call loads what it must
+    component._old_forward = forward
+    try:
+        tiny.run(pipe, NAME)
+    finally:
+        component._old_forward = own
+    assert found, f"`{name}` never ran"
+    return found[0]
+
+
+def test_an_eager_forward_passes_no_compiler_wrapper_and_one_frame_more_than_stock():
+    doe.uninstall()
+    try:
+        stock_pipe = tiny.build(NAME)
+        stock_pipe.enable_model_cpu_offload(device="cpu")
+        stock = _stack_at_the_forward(stock_pipe)
+    finally:
+        doe.install()
+    pipe = tiny.build(NAME)
+    pipe.enable_model_cpu_offload(device="cpu", keep_on_device_between_generations=True)
+    ours = _stack_at_the_forward(pipe)
+    assert not [f for f in ours if "/torch/_dynamo/" in f[0] or f[1] == "call"], ours  # no disable wrapper
+    assert len(ours) <= len(stock) + 1, (ours, stock)  # the guard runs accelerate's hooked forward itself
+
+
+def test_an_eager_hook_reaches_the_session_without_a_compiler_wrapper(monkeypatch):
+    from diffusers_offload_ext.runtime.session import Session
+
+    found, real = [], Session.use
+
+    def use(self, name):
+        if name == "transformer" and not found:
+            found.append(_frames_below_the_call(sys._getframe(1)))
+        return real(self, name)
+
+    monkeypatch.setattr(Session, "use", use)  # before arming: the hook keeps the session's bound method
+    pipe = tiny.build(NAME)
+    pipe.enable_model_cpu_offload(device="cpu")
+    tiny.run(pipe, NAME)
+    assert found and not [f for f in found[0] if "/torch/_dynamo/" in f[0] or f[1] == "call"], found

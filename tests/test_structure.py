@@ -96,6 +96,7 @@ RULES = {
     "runtime": {"cli", "models", "testing", "observe"},
     "observe": {"runtime", "residency", "blocks", "pinning", "recovery", "cli", "models", "testing"},
     "models": {"runtime", "transfer", "pinning", "recovery", "observe", "testing"},
+    "host": {"runtime", "policies", "transfer", "observe", "cli", "models", "testing"},
     "marks.py": {"runtime", "policies", "transfer", "observe", "cli", "models", "testing"} | FEATURES,
     "storages.py": {"runtime", "policies", "transfer", "observe", "cli", "models", "testing"} | FEATURES,
 }
@@ -149,6 +150,8 @@ PURE = {
     "pinning/prefetch.py",
     "recovery/__init__.py",
     "recovery/rungs.py",
+    "host/__init__.py",
+    "host/memory.py",
     "observe/report/__init__.py",
     "observe/report/panel.py",
     "observe/report/slots.py",

@@ -8,10 +8,11 @@ from typing import List
 
 from ..constants import GiB
 from ..models.bounds import MAX_GENERATIONS, MAX_STEPS, REPLAYED_GENERATIONS, format_rate
+from ..models.host import DEFAULT_DISK_BANDWIDTH
 from ..models.profiles import DEFAULT_PROFILE
 from ..models.request import DEFAULT_RESERVE, DEFAULT_VRAM
 from ..units import format_size
-from . import output, plan_details
+from . import output, plan_details, plan_host
 
 HELP = "the offload call to use for a model on a card: whether it fits, bytes and seconds per image"
 ABOUT_SIZES = "Sizes in GiB (2^30 bytes)."
@@ -65,6 +66,15 @@ def add_parser(commands, common) -> None:
         "offload's copies), given instead of the profile's",
     )
     p.add_argument(
+        "--ram",
+        help="the host's memory (default: this machine's, the smaller of physical memory and the cgroup's limit): "
+        "whether the weights fit it, which stay in their files, the disk reads per image",
+    )
+    p.add_argument(
+        "--disk-bandwidth",
+        help=f"the disk's read rate for weights read from their files (default: ASSUMED {DEFAULT_DISK_BANDWIDTH})",
+    )
+    p.add_argument(
         "--step-seconds",
         help="seconds one denoiser forward takes on the card without offload (measure it; e.g. seconds per image "
         "without offload / steps): seconds per image then add the denoiser's compute, streamed copies hidden behind "
@@ -114,6 +124,7 @@ def bandwidths(args) -> dict:
 def run(args) -> int:
     from ..models import plan, shipped_models
     from ..models.errors import PlanError
+    from ..models.host import parse_host
     from ..models.request import check_request
 
     if args.list:
@@ -134,6 +145,8 @@ def run(args) -> int:
         **bandwidths(args),
     )
     check_request(**request)  # bad numbers are reported before a missing --model
+    parse_host(args.ram, args.disk_bandwidth)
+    request.update(ram=args.ram, disk_bandwidth=args.disk_bandwidth)
     if not args.model:
         raise PlanError("plan needs --model (one of: " + ", ".join(shipped_models()) + ", or a spec path).", "--model")
     result = plan(
@@ -167,7 +180,7 @@ def render(result: dict, columns: int, details: bool = False) -> List[str]:
     with `details`."""
     lines = _header(result, columns)
     if details:
-        lines += plan_details.render(result, columns) + [""]
+        lines += plan_details.render(result, columns) + [""] + plan_host.details(result["host"], columns) + [""]
     summary = result["summary"]
     if summary["use"] is None:
         lines += [""] + output.wrap("Nothing fits: " + summary["nothing_fits"], columns, "  ")
@@ -175,6 +188,7 @@ def render(result: dict, columns: int, details: bool = False) -> List[str]:
         lines += [""] + _choice("Use", summary["use"], result, columns)
     if summary["runner_up"] is not None:
         lines += [""] + _choice("Runner-up", summary["runner_up"], result, columns)
+    lines += [""] + plan_host.short(result["host"], columns)
     return lines + _block_optimum(result, columns) + [""] + _footer(result, columns, details)
 
 
@@ -278,8 +292,8 @@ def _footer(result: dict, columns: int, details: bool) -> List[str]:
     )
     lines = output.wrap(
         f"{seconds[0].upper()}{seconds[1:]}: {rates[0]} host-to-device and {rates[1]} back from pageable memory, "
-        f"{rates[2]} page-locked ({source}: rate profile {bandwidth['profile']}, {bandwidth['profile_device']}; "
-        "`diffusers-offload doctor --measure` measures yours, --profile reads it).",
+        f"{rates[2]} page-locked ({source}: rate profile {bandwidth['profile']}, "
+        f"{str(bandwidth['profile_device']).split(',')[0]}; `doctor --measure` measures yours, --profile reads it).",
         columns,
         "  ",
     )

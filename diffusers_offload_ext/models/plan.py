@@ -9,6 +9,7 @@ from ..units import format_size
 from .block_compare import block_residency
 from .block_model import BlockPlans
 from .generations import Generations, Moved, replay_generations
+from .host import host_entry, parse_host
 from .model import Model, load_model
 from .request import DEFAULT_VRAM, Request, activation_assumption, check_request, complete, rates_note
 from .specs import load_spec
@@ -35,6 +36,8 @@ def plan(
     width: Optional[Union[int, str]] = None,
     frames: Optional[Union[int, str]] = None,
     profile: Optional[str] = None,
+    ram: Optional[Union[str, int]] = None,
+    disk_bandwidth: Optional[Union[str, int]] = None,
     optimum: bool = False,
 ) -> dict:
     """Predicted transfers of each offload strategy for `model` on a card, and the call to use.
@@ -70,6 +73,8 @@ def plan(
         profile (`str`, *optional*): The rate profile that prices seconds: a shipped name
             (`models.shipped_profiles()`: `"h200"`, the committed GPU runs, the default) or a profile file written by
             `diffusers-offload doctor --measure`.
+        ram, disk_bandwidth (`str` or `int`, *optional*): The host's memory (default: this machine's) and the disk's
+            read rate (default: ASSUMED `models.host.DEFAULT_DISK_BANDWIDTH`) for the `host` entry.
 
     Returns:
         `dict`: JSON-ready, sizes in bytes: the model, card and request (`call`: steps and size), `activations`
@@ -82,7 +87,8 @@ def plan(
         runner-up); `block_residency` (`models.block_compare`): when the offloaded components do not fit the budget
         together, how those larger than it stream, the modelled block optimum across components, and bytes and
         seconds per generation beside sequential, group and stock offload. The residency manager's row streams as
-        the runtime does (`models.block_model.replay_streaming`).
+        the runtime does (`models.block_model.replay_streaming`). `host` (`models.host.host_plan`): whether the
+        weights fit the RAM, which stay in their files, the disk reads per image.
 
     Raises:
         `PlanError`: bad input. `MissingPackage`: a component to build on meta needs a missing package.
@@ -103,13 +109,16 @@ def plan(
         frames=frames,
         profile=profile,
     )
+    host = parse_host(ram, disk_bandwidth)
     spec = load_spec(model)
     request = complete(request, spec)
     loaded = load_model(spec["path"] if not spec["shipped"] else spec["name"], dtypes, components)
-    return _plan(loaded, spec, request, components, optimum)
+    return _plan(loaded, spec, request, components, host, optimum)
 
 
-def _plan(loaded: Model, spec: dict, request: Request, components: Sequence[str], optimum: bool = False) -> dict:
+def _plan(
+    loaded: Model, spec: dict, request: Request, components: Sequence[str], host: tuple, optimum: bool = False
+) -> dict:
     call = loaded.call_trace(request.steps, request.preview)
     plans = BlockPlans(spec["path"] if not spec["shipped"] else spec["name"], _dtypes(loaded), components)
     entries, moved = {}, {}
@@ -131,6 +140,7 @@ def _plan(loaded: Model, spec: dict, request: Request, components: Sequence[str]
     budget = strategies["residency"].budget if "residency" in strategies else None
     result["block_residency"] = block_residency(loaded, request, call, plans, moved, budget, optimum)
     result["summary"] = summary(result)
+    result["host"] = host_entry(result, call, host)
     return result
 
 

@@ -67,6 +67,8 @@ class PinnedStore:
     def __init__(self, locker: Locker, budget: Optional[int] = None) -> None:
         self.ranges = PageRanges(locker)
         self.budget = int(HOST_SHARE * host_memory_bytes()) if budget is None else budget
+        #: With a host budget in force (`host/keeper.py`): returns the room it leaves, which replaces `budget`.
+        self.limit: Optional[Callable[[], Optional[int]]] = None
         self._pins: Dict[int, Dict[int, int]] = {}  # component id -> storage pointer -> bytes
         self._uses: Dict[int, int] = {}
         self._finalizers: Dict[int, weakref.finalize] = {}
@@ -151,8 +153,14 @@ class PinnedStore:
         """Wait for the copies still reading released memory, and unregister it."""
         self.ranges.settle()
 
+    def cap(self) -> int:
+        """Most bytes page-locked at once: the room the host budget leaves where one is in force, else `budget`."""
+        room = self.limit() if self.limit is not None else None
+        return self.budget if room is None else room
+
     def _make_room(self, key: int, needed: int, name: str) -> bool:
-        free = self.budget - self.pinned_bytes
+        cap = self.cap()
+        free = cap - self.pinned_bytes
         if needed <= free:
             return True
         mine = self._uses[key]
@@ -167,7 +175,7 @@ class PinnedStore:
         if free < needed:
             self._say(
                 "budget",
-                f"the page-locked host memory budget ({self.budget} bytes) is spent: `{name}` and "
+                f"the page-locked host memory budget ({cap} bytes) is spent: `{name}` and "
                 "components like it stay in pageable memory",
             )
             return False

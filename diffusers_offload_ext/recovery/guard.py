@@ -25,6 +25,7 @@ from ..marks import extension_hook
 from ..policies import Decision
 from ..units import format_size
 from ..runtime import sharing
+from ..runtime.compiler import eager, frame_callback, own_frame_skipped
 from ..runtime.inputs import snapshot
 from .activations import describe
 from ..blocks.streams import RECOVERY_DEPTHS, stream_room
@@ -63,8 +64,26 @@ def guard(module: torch.nn.Module) -> None:
     hooked = module.__dict__.get("forward")  # accelerate's, whose hook reads the inputs; without a hook, its own
     forward = hooked or module.forward
     if not _guarded(forward):
-        module.forward = _guarding(module, forward, hooked is None)
+        # Accelerate's hooked forward is run by the guard itself, as accelerate runs it (`_run`): one layer
+        # on every forward, not two.
+        through_hook = hooked is not None and _accelerates(hooked, module)
+        module.forward = _guarding(module, forward, None if through_hook else hooked is None)
     _guard_methods(module)
+
+
+def _accelerates(forward, module: torch.nn.Module) -> bool:
+    """Whether `forward` is the forward accelerate's `add_hook_to_module` gave `module`: its `new_forward` bound to
+    `module`, which calls `module._hf_hook` around `module._old_forward`."""
+    func = getattr(forward, "func", None)
+    return (
+        isinstance(forward, functools.partial)
+        and len(forward.args) == 1
+        and forward.args[0] is module
+        and not forward.keywords
+        and getattr(func, "__name__", None) == "new_forward"
+        and str(getattr(func, "__module__", "")).startswith("accelerate.")
+        and "_old_forward" in module.__dict__
+    )
 
 
 def _guard_methods(module: torch.nn.Module) -> None:
@@ -74,8 +93,9 @@ def _guard_methods(module: torch.nn.Module) -> None:
             module.__dict__[method] = _guarding(module, bound, True)
 
 
-def _guarding(module: torch.nn.Module, call, reads: bool):
-    """`call` (a method of `module`) guarded (`reads`: the guard reads its inputs, which its hook does not see): what
+def _guarding(module: torch.nn.Module, call, reads: Optional[bool]):
+    """`call` (a method of `module`) guarded (`reads`: the guard reads its inputs, which its hook does not see; `None`:
+    `call` is accelerate's hooked forward, which the guard runs itself, `_run`): what
     `inspect.signature` reads of it is `call`'s own signature (diffusers asks whether `vae.forward` takes
     `num_frames`), and it has `call`'s name and docstring."""
     return functools.update_wrapper(functools.partial(_run, module, call, reads), call)
@@ -90,6 +110,8 @@ def unguard(module: torch.nn.Module) -> None:
     forward = module.__dict__.get("forward")
     if _guarded(forward) and getattr(forward.args[1], "__self__", None) is module:  # accelerate puts back its own
         del module.__dict__["forward"]
+    elif _guarded(forward) and forward.args[2] is None:
+        module.forward = forward.args[1]  # accelerate's hooked forward, as it gave it
     for method in GUARDED:
         if _guarded(module.__dict__.get(method)):
             del module.__dict__[method]
@@ -111,50 +133,49 @@ def _holder(module: torch.nn.Module):
     return (session, name) if name is not None else (None, None)
 
 
-_disable = getattr(getattr(torch, "compiler", None), "disable", None)
-
-
-def _skip_frame(fn):
-    """Dynamo does not trace `fn`'s own frame (a compiled component's graph ends at its call) but compiles what it
-    calls: the guarded forward."""
-    try:
-        return _disable(fn, recursive=False) if _disable is not None else fn
-    except TypeError:  # a torch without `recursive`
-        return fn
-
-
 def _opaque(fn):
-    """Dynamo never traces `fn` nor what it calls (the recovery's bookkeeping)."""
+    """Dynamo never traces `fn` nor what it calls (the recovery's bookkeeping, off the hot path)."""
     return _disable(fn) if _disable is not None else fn
 
 
-#: Dynamo's frame callback, set while it compiles or runs compiled code (`None` in eager code); `None` where this
-#: torch does not tell it (the guard's reading of inputs is then always hidden from Dynamo).
-_dynamo_callback = getattr(
-    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", None
-)
+_disable = getattr(getattr(torch, "compiler", None), "disable", None)
 
 
-@_skip_frame
-def _run(module: torch.nn.Module, call, reads: bool, *args, **kwargs):
-    """Run `call` (a guarded forward of `module`; `reads`: one whose hook does not see its inputs); on an
-    out-of-memory error make room and run it again.
+@own_frame_skipped  # a compiled component's graph ends at the guard; what it calls is compiled
+def _run(module: torch.nn.Module, call, reads: Optional[bool], *args, **kwargs):
+    """Run `call` (a guarded forward of `module`; `reads`: one whose hook does not see its inputs; `None`: accelerate's
+    hooked forward, run here as accelerate's `new_forward` runs it: the hook's `pre_forward`, which may load
+    the module and sends the inputs, the module's own forward, the hook's `post_forward`, the hook read at each call);
+    on an out-of-memory error make room and run it again.
 
     Before the call only what an error cannot tell afterwards is read: the input tensors' version counters, by the
     module's hook as it reads the inputs anyway (or here, for `encode`/`decode`). Everything else (which session runs
     it, training mode, stateful hooks, odd arguments) is read when an error happens (`_Attempt`)."""
-    for slot in running:
-        if (
-            slot[0] is module
-        ):  # nested in the module's own guarded call (a VAE's forward calls `decode`): guarded there
-            return call(*args, **kwargs)
+    if running and any(slot[0] is module for slot in running):
+        return call(*args, **kwargs)  # nested in the module's own guarded call (a VAE's forward calls `decode`)
     slot = [module, _read(args, kwargs) if reads else None]
     running.append(slot)
     attempt = None
     try:
         while True:
             try:
-                result = call(*args, **kwargs)
+                if reads is not None:
+                    result = call(*args, **kwargs)
+                else:  # accelerate's hooked forward, run here as its `new_forward` runs it: one layer, not two
+                    hook = module._hf_hook
+                    # In eager code, our hook's methods without their compiler wrappers (`runtime/compiler.py`).
+                    eager_code = frame_callback is not None and frame_callback() is None
+                    pre, post = _eager_methods(type(hook)) if eager_code else _NEITHER
+                    if pre is not None:
+                        inputs, named = pre(hook, module, *args, **kwargs)
+                    else:
+                        inputs, named = hook.pre_forward(module, *args, **kwargs)
+                    if hook.no_grad:
+                        with torch.no_grad():
+                            output = module._old_forward(*inputs, **named)
+                    else:
+                        output = module._old_forward(*inputs, **named)
+                    result = post(hook, module, output) if post is not None else hook.post_forward(module, output)
             except torch.OutOfMemoryError as error:
                 attempt = attempt if attempt is not None else _Attempt.of(slot)
                 if not attempt.failed(error, args, kwargs):
@@ -168,10 +189,24 @@ def _run(module: torch.nn.Module, call, reads: bool, *args, **kwargs):
         running.pop()
 
 
+_NEITHER = (None, None)
+#: Per hook class, its `pre_forward` and `post_forward` without their compiler wrappers (`None` where one has none).
+_unwrapped: dict = {}
+
+
+def _eager_methods(kind: type) -> tuple:
+    methods = _unwrapped.get(kind)
+    if methods is None:
+        methods = _unwrapped[kind] = tuple(
+            getattr(getattr(kind, m), "eager", None) for m in ("pre_forward", "post_forward")
+        )
+    return methods
+
+
 def _read(args: tuple, kwargs: dict) -> list:
     """The input tensors' version counters, read by the guard (plainly in eager code, hidden from Dynamo where it
     runs)."""
-    if _dynamo_callback is not None and _dynamo_callback() is None:
+    if eager():
         return snapshot(args, kwargs)
     return _opaque(snapshot)(args, kwargs)
 

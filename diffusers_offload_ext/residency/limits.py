@@ -93,8 +93,10 @@ class ComponentLimits:
         `pipe.to(device)`): the others leave (`choose` keeps what fits beside it), and where it is whole on the device,
         larger than the budget, and can stream within it, it streams instead. Reads no free memory: a hot path."""
         limit = self.avail
+        if limit is None:
+            return NOTHING
         others = [n for n in self.offloaded if n in resident and n != name]
-        if limit is None or sum(held_bytes(self, n, facts) for n in [name] + others) <= limit:
+        if sum(held_bytes(self, n, facts) for n in [name] + others) <= limit:
             return NOTHING
         held = held_bytes(self, name, facts)
         keep = choose(self, name, others, limit - held + self.sizes[name]) if held <= limit else set()

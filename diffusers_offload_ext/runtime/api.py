@@ -7,7 +7,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from ..layout import cannot_move
 from ..ledger import TransferLedger
-from ..marks import get_session
+from ..marks import get_session, host_side
 from ..constants import OFFLOAD
 from ..transfer import ON_DEVICE
 from ..recovery.activations import LearntShape
@@ -15,6 +15,8 @@ from ..blocks.status import BlockStatus
 from . import status_text
 from .fast_paths import FastPaths
 from .session import session_of
+from ..host.account import HostBytes, total
+from .host import host_tensors
 
 
 def _check(pipe) -> None:
@@ -99,6 +101,9 @@ class ComponentStatus(NamedTuple):
         why (`str`): Why it is where it is, in the options' words (`"kept on the device within memory_budget"`,
             `"evicted (room for transformer); loaded again when it runs"`: the `cause` of its last eviction in the
             ledger); for the role `"cannot move"`, why it cannot.
+        host (`HostBytes` or `None`): Under a host budget (`host_memory_budget`), its host memory by kind:
+            `page_locked`, `anonymous` (both counted by the budget) and `file_backed` (views of its checkpoint files,
+            which the kernel may drop and read again); its host copy while it is on the device. `None` without one.
     """
 
     nbytes: int
@@ -109,6 +114,7 @@ class ComponentStatus(NamedTuple):
     pinned_bytes: int = 0
     blocks: Optional[BlockStatus] = None
     why: str = ""
+    host: Optional[HostBytes] = None
 
 
 class OffloadStatus(NamedTuple):
@@ -137,6 +143,10 @@ class OffloadStatus(NamedTuple):
             out-of-memory recoveries), oldest first.
         fast_paths (`FastPaths` or `None`): The fast paths in force on the device (`accelerator`, `drops`,
             `page_locked`, `prefetch`) and `why` each is on or off, by option name (`runtime/fast_paths.py`).
+        host_budget (`int` or `None`): The host budget in bytes (`host_memory_budget`; `"auto"` read when offload was
+            armed), `None` without one.
+        host_bytes (`HostBytes` or `None`): Under a host budget, the components' host memory by kind, measured now
+            (the staging ring among the page-locked bytes); `.counted` is what the budget counts. `None` without one.
     """
 
     enabled: bool
@@ -154,6 +164,8 @@ class OffloadStatus(NamedTuple):
     reserve: Optional[int] = None
     learnt: Tuple[LearntShape, ...] = ()
     fast_paths: Optional[FastPaths] = None
+    host_budget: Optional[int] = None
+    host_bytes: Optional[HostBytes] = None
 
     def __str__(self) -> str:
         """A table: the call in force, the budget, and per component where it is, its bytes, blocks and why."""
@@ -186,8 +198,15 @@ def offload_status(pipe) -> OffloadStatus:
     if session is None or session.transfer is None:
         return OffloadStatus(False, None, None, {}, 0, None, (), 0, False, [], {})
     fixed, evicted = session.placement.fixed, _last_evictions(session)
+    keeper = host_side(session)
+    budgeted = keeper is not None and keeper.plan is not None
+    host = keeper.read(host_tensors(session.modules, session.transfer.book)) if budgeted else {}
     components = {
-        name: _fixed(session, name) if name in fixed else _component(session, name, evicted.get(name))
+        name: (
+            _fixed(session, name)
+            if name in fixed
+            else _component(session, name, evicted.get(name))._replace(host=host.get(name))
+        )
         for name in pipe.components
         if name in session.modules or name in fixed
     }
@@ -208,7 +227,14 @@ def offload_status(pipe) -> OffloadStatus:
         reserve=session.arming.reserve if session.options.residency else None,
         learnt=session.activations.status(),
         fast_paths=session.arming.fast if session.arming is not None else None,
+        host_budget=keeper.budget if budgeted else None,
+        host_bytes=_host_total(host, keeper.ring_bytes) if budgeted else None,
     )
+
+
+def _host_total(host: Dict[str, HostBytes], ring: int) -> HostBytes:
+    """The components' host bytes, the staging ring among the page-locked ones."""
+    return total(host).plus(HostBytes(page_locked=ring))
 
 
 def _policy_kind(policy) -> Optional[str]:

@@ -21,6 +21,7 @@ from .combined import layout_of, quiet_sub_pipelines
 from .devices import resolve_device
 from . import fast_paths
 from .hook import attach, ours
+from . import host as host_plan
 from .options import OffloadOptions, resolve_options
 from .placement import Sizes
 from . import status_text
@@ -48,6 +49,8 @@ class Arming(NamedTuple):
             ...]`): the most weights while each component whose activations need more runs (`budget.component_limits`).
         shape (`tuple`): The call shape they were chosen for, with what was learnt then (`learnt_version`).
         fast (`FastPaths`): The fast paths in force on the device, and why (`runtime/fast_paths.py`).
+        host (`HostPlan` or `None`): Under a host budget (`host_memory_budget`), its plan (`host/budget.py`): the
+            budget, the components to re-map onto their checkpoint files, the staging ring.
     """
 
     options: OffloadOptions
@@ -64,6 +67,7 @@ class Arming(NamedTuple):
     shape: tuple = ()
     learnt_version: int = 0
     fast: fast_paths.FastPaths = fast_paths.NONE
+    host: Optional[Any] = None
 
 
 def validate(pipe, session: Optional[Session], gpu_id, device, **arguments) -> Arming:
@@ -81,7 +85,11 @@ def validate(pipe, session: Optional[Session], gpu_id, device, **arguments) -> A
     arrangement = layout.arrange(options.exclude_from_offload)
     fixed = tuple(fixed_of(pipe.components))
     fast = fast_paths.resolve(options, exec_device)
-    arming = Arming(options, exec_device, index, layout, arrangement, None, False, user_excluded, fixed, fast=fast)
+    given = arguments.get("host_memory_budget") is not None
+    host = host_plan.plan_for(pipe, options, exec_device, layout.order, given)
+    arming = Arming(
+        options, exec_device, index, layout, arrangement, None, False, user_excluded, fixed, fast=fast, host=host
+    )
     if options.residency:
         arming = _budget(pipe, session, arming)
     return arming
@@ -145,8 +153,10 @@ def arm(pipe, arming: Arming) -> Session:
     before = (session.active, session.arming)
     STOCK["remove_all_hooks"](pipe)
     session.exclusion.restore(pipe)
+    host_plan.carry_out(arming.host, pipe, arming.device)
     modules = modules_of(pipe.components, movable=False)
     session.adopt(arming, {name: modules[name] for name in arming.layout.order}, {n: modules[n] for n in arming.fixed})
+    host_plan.armed(session)
     session.decide_with(*policy_for(session, arming))
     pipe._offload_gpu_id, pipe._offload_device = arming.index, arming.device
     session.exclusion.apply(pipe, arming.user_excluded, arming.arrangement.excluded)

@@ -16,6 +16,7 @@ from diffusers import DiffusionPipeline
 
 from ..layout import PipelineLayout, modules_of, split_sequence
 from ..marks import COMBINED_ATTR, STOCK, get_session
+from .host import disarmed
 
 
 def is_combined(pipe) -> bool:
@@ -66,6 +67,7 @@ def quiet_sub_pipelines(pipe) -> None:
         session = get_session(sub)
         if session is not None:
             session.disarm()
+            disarmed(session)
 
 
 def mirror_exclusion(pipe, excluded: Sequence[str]) -> list:

@@ -10,8 +10,9 @@ drop or page-lock).
 
 Defaults, each option not set (`None`):
 
-- `zero_copy_eviction`: on on an accelerator; on the plain CPU, on with the residency manager only (as before this
-  default changed: the plain CPU's ledgers stay what they were);
+- `zero_copy_eviction`: on on an accelerator; on the plain CPU, on with the residency manager or a host budget
+  (`host_memory_budget`: its file-backed weights must not be copied into anonymous memory at each eviction) only (as
+  before this default changed: the plain CPU's ledgers stay what they were);
 - `pin_memory`: `"auto"` on an accelerator (page-locked where the device type can page-lock host memory, CUDA, and
   its self-check passed: `pinning/self_check.py`), off on the plain CPU; `"auto"` too wherever `prefetch=True` is
   passed (only page-locked memory can be copied while compute runs). `"auto"` page-locks nothing on the plain CPU;
@@ -77,6 +78,11 @@ def resolve(options: OffloadOptions, device: torch.device) -> FastPaths:
     elif fast:
         drops = True
         why["zero_copy_eviction"] = "default on an accelerator: unchanged weights are dropped, not copied back"
+    elif options.host_budgeted and not options.residency:
+        drops = True
+        why["zero_copy_eviction"] = (
+            "default under a host budget: file-backed weights are not copied into anonymous memory at each eviction"
+        )
     else:
         drops = options.residency
         why["zero_copy_eviction"] = (

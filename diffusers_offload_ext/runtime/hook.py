@@ -13,8 +13,7 @@ from accelerate.utils import send_to_device
 from ..marks import HOOK_MARK, extension_hook
 from ..recovery import guard as recovery
 from . import inputs, sharing
-
-_compiler_disable = getattr(getattr(torch, "compiler", None), "disable", lambda fn: fn)
+from .compiler import outside_graphs
 
 
 class DeferredCpuOffload(CpuOffload):
@@ -46,7 +45,7 @@ class DeferredCpuOffload(CpuOffload):
         recovery.unguard(module)  # the out-of-memory guard of `attach` leaves with the hook
         return module
 
-    @_compiler_disable
+    @outside_graphs
     def pre_forward(self, module, *args, **kwargs):
         running = sharing.running
         holder = None
@@ -60,7 +59,10 @@ class DeferredCpuOffload(CpuOffload):
         # diffusers' `apply_forward_hook` (VAE encode/decode) calls `pre_forward(module)` with no inputs.
         if not args and not kwargs:
             return args, kwargs
-        slot = recovery.reading(module)  # its out-of-memory guard keeps the input tensors' version counters
+        # Its out-of-memory guard keeps the input tensors' version counters (`recovery.reading`, inlined: a hot path).
+        slot = recovery.running[-1] if recovery.running else None
+        if slot is not None and (slot[0] is not module or slot[1] is not None):
+            slot = None
         placed, versions = inputs.read(args, kwargs, self.execution_device, self.session.readable, slot is not None)
         if slot is not None:
             slot[1] = versions
@@ -68,7 +70,7 @@ class DeferredCpuOffload(CpuOffload):
             return args, kwargs  # what `send_to_device` would return, without walking the inputs again
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
-    @_compiler_disable
+    @outside_graphs
     def post_forward(self, module, output):
         # A prefetch started while this forward ran is waited on as it ends (the compute stream waits on its event; no
         # host wait): code that runs between forwards (a step callback editing the weights) finds them complete.

@@ -15,6 +15,7 @@ from ..transfer.inference import version_of
 _SCALARS = (int, float, bool, str, type(None))
 #: Their exact types, looked up first (the common inputs of a forward besides tensors).
 _SCALAR_TYPES = frozenset(_SCALARS)
+_TENSOR = torch.Tensor
 #: Items of a list, tuple or dict input whose version counters are read.
 MAX_ITEMS = 64
 
@@ -27,20 +28,25 @@ def read(
     for, the input tensors' version counters (`snapshot`'s), in one pass."""
     host = not readable and device.type == "cpu"  # read without making a device object per tensor
     placed, found = True, [] if versions else None
-    for label, value in itertools.chain(enumerate(args), kwargs.items()):
+    for label, value in itertools.chain(enumerate(args), kwargs.items()) if args else kwargs.items():
         kind = type(value)
-        if kind is torch.Tensor:
-            if placed and (
-                not value.is_cpu if host else value.device != device and (readable or value.device.type != device.type)
-            ):
-                placed = False
-            if versions:
-                found.append((label, value, None if value.is_inference() else value._version))
+        if kind is _TENSOR:
+            if placed:
+                placed = (
+                    value.is_cpu
+                    if host
+                    else value.device == device or (not readable and value.device.type == device.type)
+                )
+            if found is not None:
+                try:
+                    found.append((label, value, value._version))
+                except RuntimeError:  # an inference tensor has no version counter (`version_of`)
+                    found.append((label, value, None))
         elif kind in _SCALAR_TYPES:
             continue
         else:
             placed = placed and isinstance(value, _SCALARS)
-            if versions:
+            if found is not None:
                 found += _versions(label, value)
     return placed, found
 

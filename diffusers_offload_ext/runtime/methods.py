@@ -18,6 +18,7 @@ from ..recovery.activations import call_shape
 from .arming import arm, arm_again, before_call, validate
 from .hook import detach, ours
 from ..recovery.guard import unguard
+from . import host
 from ..pinning.store import unpin
 from .options import docstring, signature, take
 
@@ -95,6 +96,7 @@ def remove_all_hooks(self) -> None:
     STOCK["remove_all_hooks"](self)
     if session is not None:
         session.disarm(forget_exclusion=True)  # as stock drops the instance-level list
+        host.disarmed(session)
         for module in session.modules.values():
             unguard(module)  # the guards of components that had no hook
         session.exclusion.restore(self)
@@ -151,6 +153,7 @@ def _end_of_call(pipe, session, failed: bool) -> None:
     try:
         _free_like_stock(pipe, session)
         session.end_of_call(failed)
+        host.after_call(session)
     except Exception:
         if not failed:
             raise

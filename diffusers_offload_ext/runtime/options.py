@@ -123,7 +123,7 @@ OPTIONS: Tuple[Option, ...] = (
             change made while on the device (in-place edits, replaced tensors, LoRA fusing) is detected and copied
             back. Which component moves when never changes, only how. Not set: on wherever the execution device's
             memory is not the host's (CUDA, XPU, MPS; every mode, the defaults included); on the plain CPU with the
-            residency manager only. `True`: in every mode on any device. `False`: every eviction copies, like stock.""",
+            residency manager or a host budget only. `True`: in every mode on any device. `False`: every eviction copies, like stock.""",
     ),
     Option(
         "pin_memory", Union[bool, str, None], '`bool` or `"auto"`',
@@ -157,6 +157,24 @@ OPTIONS: Tuple[Option, ...] = (
             and the device has copy streams. `True` with `pin_memory=False` raises a `ValueError`; on a device
             without copy streams it has no effect. `False`: onloads are made when the component runs.""",
     ),
+    Option(
+        "host_memory_budget", SIZE, "`int` or `str`", "`None`: no host budget", check.host_size, check.host_merge,
+        field="host_budget",
+        values='`int` bytes, a size (`"24GiB"`), `"auto"`, `"off"`',
+        summary="The most host RAM the weights may hold (page-locked, anonymous, host copies); weights beyond it stay "
+        'in their safetensors files. `"auto"`: from the cgroup limit and available RAM, less a margin.',
+        doc="""The most host memory (RAM) the offloaded pipeline's weights may hold: page-locked memory (weights and a
+            small staging ring), anonymous memory (weights copied or converted on loading, host copies kept for
+            evictions without a copy); weights mapped from their safetensors files, which the kernel may drop and
+            read again, do not count. Weights beyond the budget stay in their files: anonymous ones are re-mapped
+            onto the checkpoint file (after their bytes are compared with it), and they are copied to the device
+            from there through a page-locked staging ring. Evictions of unchanged components then drop the device
+            copy (as with `zero_copy_eviction=True`; `False` is refused). `"auto"`: the cgroup's memory limit and
+            the memory available now, plus what the pipeline already holds, less a margin (an eighth of the host,
+            1 to 4 GiB). `"off"` clears it. A budget above the host's memory, or below what must stay in RAM, raises
+            a `ValueError` before anything changes. `doe.offload_status(pipe).host_bytes` reports host bytes by
+            kind.""",
+    ),
 )  # fmt: skip
 #: The option names, in the signature's order.
 NEW_OPTIONS = tuple(option.name for option in OPTIONS)
@@ -175,10 +193,12 @@ class OffloadOptions:
         memory_reserve (`int`, defaults to 3 GiB): `memory_reserve` in bytes.
         keep_between (`bool`, defaults to `False`): `keep_on_device_between_generations`.
         zero_copy (`bool`, *optional*): `zero_copy_eviction`; `None` (not set): on on an accelerator, on the plain CPU
-            with the residency manager only (`runtime/fast_paths.py`).
+            with the residency manager or a host budget only (`runtime/fast_paths.py`).
         pin_memory (`bool` or `"auto"`, *optional*): `pin_memory`; `None` (not set): `"auto"` on an accelerator.
         prefetch (`bool`, *optional*): `prefetch`; `None` (not set): on where host copies are page-locked and the
             device has copy streams.
+        host_budget (`int` or `"auto"`, *optional*): `host_memory_budget` (`"auto"`: read at each arming); `None`:
+            no host budget (`host_budgeted`).
 
     What is on for a pipeline's device is `FastPaths` (`runtime/fast_paths.py`, `doe.offload_status(pipe).fast_paths`).
     """
@@ -192,6 +212,12 @@ class OffloadOptions:
     zero_copy: Optional[bool] = None
     pin_memory: Union[bool, str, None] = None
     prefetch: Optional[bool] = None
+    host_budget: Union[int, str, None] = None
+
+    @property
+    def host_budgeted(self) -> bool:
+        """Whether a host budget is in force (`host_memory_budget` set, not `"off"`)."""
+        return self.host_budget is not None and self.host_budget != check.OFF
 
     def without_exclusion(self) -> "OffloadOptions":
         """These options, `exclude_from_offload` reset (`remove_all_hooks()` drops it, as stock drops its list)."""

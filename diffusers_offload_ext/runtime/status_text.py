@@ -54,6 +54,9 @@ def called(options: dict) -> str:
             words.append(f"{name}={options[field]!r}")
     if options.get("prefetch"):
         words.append("prefetch=True")
+    host = options.get("host_budget")
+    if host is not None:
+        words.append(f"host_memory_budget={host if isinstance(host, str) else format_size(host).replace(' ', '')!r}")
     return f"enable_model_cpu_offload({', '.join(words)})"
 
 
@@ -89,6 +92,13 @@ def render(status) -> str:
         + (", one in progress" if status.in_call else ""),
         f"moves: {transport(status.fast_paths)}",
     ]
+    if status.host_bytes is not None:
+        host = status.host_bytes
+        lines.append(
+            f"host_memory_budget {format_size(status.host_budget)}: {format_size(host.counted)} counted "
+            f"({format_size(host.page_locked)} page-locked, {format_size(host.anonymous)} anonymous), "
+            f"{format_size(host.file_backed)} file-backed"
+        )
     rows = [
         [
             name,

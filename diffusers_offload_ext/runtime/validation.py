@@ -13,8 +13,8 @@ import torch
 from ..layout import modules_of
 from ..units import MAX_BYTES, UNIT_NAMES, SizeError, check_unit, format_size, parse_size
 
-#: `memory_budget="auto"` and `pin_memory="auto"`.
-AUTO = "auto"
+#: `memory_budget="auto"` and `pin_memory="auto"`; `host_memory_budget="off"`.
+AUTO, OFF = "auto", "off"
 
 
 # -- validators: `(argument, value, components) -> normalised value`, never called with `None` ------------------------
@@ -104,6 +104,14 @@ def size_or_auto(argument: str, value: Any, components=None) -> Optional[int]:
     return size(argument, value, components)
 
 
+def host_size(argument: str, value: Any, components=None) -> Union[int, str]:
+    """`size`, `"auto"` (read from the host at each arming) or `"off"` (no host budget)."""
+    if isinstance(value, str) and value.strip().lower() in (AUTO, OFF):
+        return value.strip().lower()
+    check_unit(value, argument, texts_only=True)  # `"100"`: a unit left out
+    return size(argument, value, components, example="24GiB")
+
+
 def reserve(argument: str, value: Any, components=None) -> int:
     """`size`; a text without a unit under 1 MiB (`memory_reserve="3"`) is refused as a unit left out, as for
     `memory_budget`."""
@@ -159,6 +167,19 @@ def all_or_present_names(option, previous, value: Any, components: Mapping[str, 
     if isinstance(value, bool):
         return {"keep_all": value, option.field: ()}
     return {"keep_all": False, option.field: value}
+
+
+def host_merge(option, previous, value: Any, components, fields: dict) -> dict:
+    """`replace`, refused (merged after `zero_copy_eviction`) with `zero_copy_eviction=False` in force: every
+    eviction would copy the file-backed weights into anonymous host memory."""
+    merged = replace(option, previous, value, components, fields)
+    if merged[option.field] not in (None, OFF) and fields["zero_copy"] is False:
+        raise ValueError(
+            f"`{option.name}` keeps weights in their safetensors files, and `zero_copy_eviction=False` is in force: "
+            "every eviction would copy them into anonymous host memory. Leave `zero_copy_eviction` unset (a host "
+            f'budget turns it on) or pass `zero_copy_eviction=True`; or pass `{option.name}="off"`.'
+        )
+    return merged
 
 
 def prefetch_merge(option, previous, value: Any, components, fields: dict) -> dict:

@@ -57,6 +57,7 @@ class Transfer:
         self.book = book
         self.readable = tensors_report(device)
         self.pinning = None  # a `PinnedStore` when host copies are page-locked (`pin_memory`)
+        self.host = None  # a `host.staging.Stager` under a host budget (file-backed weights, `host_memory_budget`)
 
     # -- where things are -------------------------------------------------------------------------------------------
     def entry(self, module: torch.nn.Module) -> Entry:
@@ -111,6 +112,9 @@ class Transfer:
     def offload(self, module: torch.nn.Module) -> Moved:
         """Move `module` to the host: drop the device copy when an unchanged host copy was kept, else copy."""
         raise NotImplementedError
+
+    #: Whether copies to the device are queued on a CUDA stream (else they are made at once).
+    streamed = False
 
     # -- moves ahead of use (a transfer with a copy stream overrides these) ----------------------------------------
     #: Whether `prefetch` overlaps the running component (else it is an ordinary onload, made at once).

@@ -18,13 +18,14 @@ class Copier:
 
     On a CUDA device (`device` given), a block whose host tensors are all page-locked (`pinning`) is copied with
     `non_blocking=True` (the compute stream orders what follows) and one event per block tells the store when that
-    host memory may be unregistered; a block in pageable memory is copied blocking, as `module.to()` would.
+    host memory may be unregistered; a block in pageable memory is copied blocking, as `module.to()` would, but its
+    file-backed tensors under a host budget (`staging`) through the page-locked staging ring.
     """
 
     asynchronous = False
 
-    def __init__(self, device: Optional[torch.device] = None, pinning=None) -> None:
-        self.device, self.pinning = device, pinning
+    def __init__(self, device: Optional[torch.device] = None, pinning=None, staging=None) -> None:
+        self.device, self.pinning, self.staging = device, pinning, staging
 
     def locked(self, hosts: Sequence[torch.Tensor]) -> bool:
         """Whether every one of `hosts` is page-locked (a copy from it may be asynchronous)."""
@@ -52,7 +53,12 @@ class Copier:
             self.fence(hosts)
 
     def copy(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], after: Optional[object] = None) -> object:
-        """Copy each `(device view, host tensor)` pair, once the work `after` stands for is done."""
+        """Copy each `(device view, host tensor)` pair, once the work `after` stands for is done; under a host budget
+        (`staging`, a `host.staging.Stager`) file-backed host tensors through its page-locked staging ring."""
+        if self.staging is not None:
+            staged = [pair for pair in pairs if self.staging.file_backed(pair[1])]
+            self.staging.ring.copy(staged)
+            pairs = [pair for pair in pairs if not self.staging.file_backed(pair[1])] if staged else pairs
         hosts = [host for _, host in pairs]
         queued = self.queues(hosts)
         with torch.no_grad():

@@ -99,8 +99,13 @@ class HostCopy:
     tensors of `module` alone.
     """
 
-    def __init__(self, module: torch.nn.Module, check: bool = True, only: Optional[Sequence[tuple]] = None) -> None:
+    def __init__(
+        self, module: torch.nn.Module, check: bool = True, only: Optional[Sequence[tuple]] = None, shared=False
+    ) -> None:
         self.only = None if only is None else tuple(only)
+        #: The device reads host memory (the plain CPU under a host budget, `host/staging.py`): a tensor the device
+        #: holds at its host tensor's own address has nothing a drop could lose, and is not fingerprinted.
+        self.shared = shared
         # A parameter's `.data` (or a wrapper's inner tensors) is a second reference to the host storage: it outlives
         # the onload, which either sets the parameter's `.data`, swaps its contents, or puts a new `Parameter` in its
         # place; the original object is kept too, so that it can come back. Sub-modules are held weakly: the copy
@@ -137,14 +142,15 @@ class HostCopy:
             return  # something it cannot read: the eviction will copy
         self.signature = [(_token(t), [_marks(x) for x in leaves]) for (_, _, _, t), leaves in live]
 
-    @staticmethod
-    def _content(live) -> Optional[list]:
-        """Fingerprints of the plain tensors, a vector per device (`meta` tensors hold no data that could change), in
-        a fixed order; `None` when some tensor cannot be read."""
+    def _content(self, live) -> Optional[list]:
+        """Fingerprints of the plain tensors, a vector per device (`meta` tensors hold no data that could change; with
+        `shared`, a tensor the device reads where its host tensor lies has nothing a drop could lose), in a fixed
+        order; `None` when some tensor cannot be read."""
+        homes = {h.data_ptr() for held in self.host for h in held.hosts if _dense(h)} - {0} if self.shared else ()
         groups: dict = {}
         for _, leaves in live:
             for t in leaves:
-                if t.device.type != "meta":
+                if t.device.type != "meta" and not (homes and _dense(t) and t.data_ptr() in homes):
                     groups.setdefault(t.device, []).append(t)
         content = [(device, fingerprints(tensors)) for device, tensors in groups.items()]
         return None if any(vector is None for _, vector in content) else content
@@ -227,6 +233,10 @@ class HostCopy:
             for host in held.hosts:
                 seen[id(host)] = host.numel() * host.element_size()
         return sum(seen.values())
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu" and tensor.layout == torch.strided
 
 
 def at_home(tensor: torch.Tensor) -> bool:

@@ -27,9 +27,9 @@ class RecordingTransfer(Transfer):
 
     def __init__(self, inner: Transfer) -> None:
         self.inner = inner
-        pinning = inner.pinning
+        pinning, host = inner.pinning, inner.host
         super().__init__(inner.device, inner.book)
-        self.pinning = pinning
+        self.pinning, self.host = pinning, host
         self.readable = inner.readable
         self.calls: List[Call] = []
 
@@ -40,6 +40,18 @@ class RecordingTransfer(Transfer):
     @pinning.setter
     def pinning(self, store) -> None:
         self.inner.pinning = store
+
+    @property
+    def host(self):
+        return self.inner.host
+
+    @host.setter
+    def host(self, stager) -> None:
+        self.inner.host = stager
+
+    @property
+    def streamed(self) -> bool:
+        return self.inner.streamed
 
     def onload(self, module: torch.nn.Module, *, keep_host: bool, check: bool = True) -> Moved:
         moved = self.inner.onload(module, keep_host=keep_host, check=check)

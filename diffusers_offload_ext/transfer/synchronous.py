@@ -48,10 +48,12 @@ class SyncTransfer(Transfer):
                     locked = self.pinning.prepare(module, type(module).__name__, self.device)
                 elif not keep_host:
                     self.pinning.release(module)  # it stays on the device: its host memory goes
-            host_copy = HostCopy(module, check) if keep_host and entry.host_copy is None else entry.host_copy
+            shared = self.host is not None and self.host.in_place  # the device reads host memory: `HostCopy.shared`
+            fresh = keep_host and entry.host_copy is None
+            host_copy = HostCopy(module, check, shared=shared) if fresh else entry.host_copy
             sealed = host_copy if host_copy is not None and host_copy is not entry.host_copy else None
             try:
-                if locked or self._ahead:
+                if locked or self._ahead or self.host is not None:
                     self._copy_in(module, locked, sealed)
                 else:  # from pageable memory: blocking, as stock's (what `_copy_in` does there too)
                     module.to(self.device)
@@ -66,8 +68,12 @@ class SyncTransfer(Transfer):
             return Moved(nbytes, COPY)
 
     def _copy_in(self, module: torch.nn.Module, locked: bool, sealed) -> None:
-        """`module` to the device (queued from page-locked memory, else blocking), then `sealed.seal(module)`."""
-        if locked and self.streamed:
+        """`module` to the device (queued from page-locked memory, else blocking; its file-backed weights, under a
+        host budget, through the staging ring or where they lie: `host/staging.py`), then `sealed.seal(module)`."""
+        if self.host is not None and self.host.onload(module, self.device):
+            if self.streamed and self.pinning is not None:
+                self.pinning.fence_module(module, self._event(), torch.cuda.current_stream(self.device))
+        elif locked and self.streamed:
             module.to(self.device, non_blocking=True)
             self.pinning.fence_module(module, self._event(), torch.cuda.current_stream(self.device))
         else:
@@ -122,7 +128,7 @@ class SyncTransfer(Transfer):
             return Moved(nbytes, kind)
 
     def copier(self) -> Copier:
-        return Copier(self.device if self.streamed else None, self.pinning)
+        return Copier(self.device if self.streamed else None, self.pinning, self.host)
 
     @staticmethod
     def _resentinel(module: torch.nn.Module, entry) -> None:

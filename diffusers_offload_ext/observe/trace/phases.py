@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Callable, List, Optional, Tuple
 
 from ...calls import AFTER, BEFORE, LOOP, CallTracker, StepBar
+from ...marks import host_side
 from .records import CallInfo, ComponentUse
 
 
@@ -66,6 +67,8 @@ class TracedCalls:
             return
         self.info.end = self.now()
         self.info.failed = failed
+        keeper = host_side(self.session())  # host bytes by kind, measured at the call's end
+        self.info.host = keeper.snapshot() if keeper is not None else None
         self.info, self.running, self.by_session = None, [], False
 
     # -- the denoising loop -------------------------------------------------------------------------------------

@@ -100,6 +100,8 @@ class CallInfo:
         blocks (`Dict[str, dict]`): For each component that ran keeping only some of its blocks on the device (the
             residency manager decides block by block), as it last ran in the call: `kept` (its blocks on the device),
             `streamed` (those that passed through its ring) and `why`, the manager's reason in words.
+        host (`dict` or `None`): Under a host budget (`host_memory_budget`), the pipeline's host bytes at the call's
+            end: `budget`, `page_locked` (the staging ring included), `anonymous`, `file_backed`; `None` without one.
     """
 
     index: int
@@ -111,6 +113,7 @@ class CallInfo:
     replayed: bool = False
     uses: List[ComponentUse] = dataclasses.field(default_factory=list)
     blocks: Dict[str, dict] = dataclasses.field(default_factory=dict)
+    host: Optional[dict] = None
 
 
 def to_document(trace) -> dict:
