@@ -221,7 +221,7 @@ class HostCopy:
             part.only = tuple(only)
             part.host = [where[(id(sub), p, key)] for sub, p, key in part.only if (id(sub), p, key) in where]
             part.complete = self.complete and all(at_home(host) for held in part.host for host in held.hosts)
-            part.signature, part.content, part.check = None, None, self.check
+            part.signature, part.content, part.check, part.shared = None, None, self.check, self.shared
             found[name] = part
         return found
 
