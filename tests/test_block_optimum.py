@@ -192,12 +192,18 @@ def test_a_steady_call_is_within_5_percent_of_the_exact_block_optimum(accelerato
 
 
 # -- the cliff ---------------------------------------------------------------------------------------------------------
-def cliff_pipeline():
+def flux_4_8():
+    """The tiny FLUX with 4 + 8 transformer blocks (the issue's)."""
     pipe = tiny.build("flux")
     config = dict(pipe.transformer.config, num_layers=4, num_single_layers=8)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(3)
         pipe.transformer = diffusers.FluxTransformer2DModel.from_config(config).eval()
+    return pipe
+
+
+def cliff_pipeline():
+    pipe = flux_4_8()
     pipe.set_progress_bar_config(disable=True)
     kwargs = prompt_embedded(pipe, dict(tiny.call_kwargs("flux", preview=True, pipe=pipe), num_inference_steps=4))
     return pipe, kwargs

@@ -15,8 +15,6 @@ from simulated_accelerator import SimulatedAccelerator
 
 pytest.importorskip("diffusers_offload_ext", reason="plugin-only: residency, block streaming, recovery, the ledger")
 
-import diffusers  # noqa: E402
-
 import diffusers_offload_ext as doe  # noqa: E402
 from diffusers_offload_ext import marks  # noqa: E402
 from diffusers_offload_ext.blocks.find import REST, block_sizes  # noqa: E402
@@ -24,6 +22,7 @@ from diffusers_offload_ext.testing import tiny  # noqa: E402
 from diffusers_offload_ext.testing.copy_stream import fake_cuda  # noqa: E402
 from diffusers_offload_ext.testing.device_memory import out_of_memory  # noqa: E402
 from diffusers_offload_ext.testing.page_locking import fake_page_locking  # noqa: E402
+from test_block_optimum import flux_4_8  # noqa: E402
 from test_block_streaming import deep_flux  # noqa: E402
 from test_out_of_memory import ALL_WEIGHTS, NO_COPY, WeightsWatch, call, clean, forced  # noqa: E402
 from test_streams_between_calls import armed  # noqa: E402
@@ -234,16 +233,6 @@ def test_a_module_in_training_mode_that_a_retry_could_change_is_not_run_again(ca
     assert "is not run again" in caplog.text and why in caplog.text
 
 
-def deeper_flux():
-    """The tiny FLUX with 4 + 8 transformer blocks: a ring of two buffers is smaller than one of three."""
-    pipe = tiny.build("flux")
-    config = dict(pipe.transformer.config, num_layers=4, num_single_layers=8)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(3)
-        pipe.transformer = diffusers.FluxTransformer2DModel.from_config(config).eval()
-    return pipe
-
-
 @pytest.mark.parametrize("errors", [3, 4])
 def test_three_out_of_memory_errors_in_one_streamed_forward_end_with_fewer_blocks_and_a_smaller_ring(caplog, errors):
     """Fault 8(b): the rungs of a streaming component are fewer blocks kept, down to its rest and a ring of three
@@ -251,8 +240,8 @@ def test_three_out_of_memory_errors_in_one_streamed_forward_end_with_fewer_block
     memory back). Four errors still end the recovery, with nothing half loaded."""
     from harness import diffusers_logs
 
-    expected = tiny.run(deeper_flux(), "flux")
-    pipe = deeper_flux()
+    expected = tiny.run(flux_4_8(), "flux")
+    pipe = flux_4_8()
     budget = int(sum(block_sizes(pipe.transformer).values()) * 0.95)
     others = ["text_encoder", "text_encoder_2", "vae"]
     pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, exclude_from_offload=others)
