@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .tiny import _clip_text, _clip_tokenizer, _seeded
+from .tiny_models import _clip_text, _clip_tokenizer, _seeded
 
 SIZE = 32
 STEPS = 2
