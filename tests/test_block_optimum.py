@@ -132,6 +132,9 @@ WORKLOADS = {
 
 def workload(key: str):
     name, kind, budget_of, excluded = WORKLOADS[key]
+    ok, reason = tiny.available(name)
+    if not ok:
+        pytest.skip(reason)  # Wan 2.2's pipeline is not in the oldest diffusers
     pipe = deeper(tiny.build(name), kind)
     pipe.set_progress_bar_config(disable=True)
     kwargs = tiny.call_kwargs(name, preview=kind == "preview", pipe=pipe)
