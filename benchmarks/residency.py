@@ -40,6 +40,7 @@ from diffusers_offload_ext.constants import COPY, END, STREAM
 from diffusers_offload_ext.models import load_model
 from diffusers_offload_ext.models.block_compare import global_plan
 from diffusers_offload_ext.models.block_model import REST, BlockPlans, block_bytes, replay_streaming, spec_entry
+from diffusers_offload_ext.models.block_optimum import block_optimum as exact_block_optimum
 from diffusers_offload_ext.models.strategies import chain_strategies, residency_strategy
 from diffusers_offload_ext.blocks.choice import Item
 from diffusers_offload_ext.residency.optimum import optimal_bytes
@@ -157,8 +158,15 @@ def evaluate(model: str, trace: List[str], calls: int, budget: int, sizes: Dict[
     row["manager"] = (replayed.copied, replayed.peak > max(budget, max(sizes.values())))
     row["manager_calls"] = replayed.per_call
     streams = residency_strategy(layout, sizes, budget).policy
-    moves, peak = replay_streaming(streams, trace, sizes, BlockPlans.of(scaled_blocks(model, sizes)), zero_copy=True)
+    plans = BlockPlans.of(scaled_blocks(model, sizes))
+    moves, peak = replay_streaming(streams, trace, sizes, plans, zero_copy=True)
     row["streams"] = (sum(m.nbytes for m in moves if m.kind in (COPY, STREAM)), peak > budget)
+    hooked = layout.arrange().hooked
+    stays_bytes = sum(sizes[n] for n in layout.arrange().round_trip)
+    exact = exact_block_optimum(
+        [e for e in trace if e == END or e in hooked], plans.facts(hooked), sizes, budget - stays_bytes
+    )
+    row["block_exact"] = None if exact is None else exact.after_call[-1]
 
     optimum = optimal_bytes(trace, sizes, budget, stays=layout.arrange().round_trip, keep_between=True)
     row["optimum"] = optimum.total
@@ -202,6 +210,12 @@ def block_optimum(items: List[Item], budget: int, calls: int) -> Optional[int]:
 
 
 # -- report ---------------------------------------------------------------------------------------------------------------
+def block_cell(row: Row) -> str:
+    """The block optimum's GB and the manager's (streams) ratio to it."""
+    exact = row["block_exact"]
+    return "-" if exact is None else f"{gb(exact)} ({ratio(row['streams'][0], exact)})"
+
+
 def gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.1f}"
 
@@ -259,7 +273,9 @@ def build_report(results, elapsed: float) -> str:
         "- **manager (streams)**: the same manager replayed as the runtime runs it (what `diffusers-offload plan` "
         "replays): a component larger than the room the others leave streams its blocks (sizes as for the blocks "
         "column), a stream's kept blocks cross when it starts and stay on the device between calls while the "
-        "budget holds them (issue 22), its other blocks cross at every use; within the budget (*over* otherwise);",
+        "budget holds them, its other blocks cross at every use; the budget decides block by block which blocks "
+        "every component keeps (docs/residency.md, *How blocks are chosen*); within the budget (*over* otherwise, "
+        "where a component cannot run in it even alone);",
         "- **optimum**: least host-to-device bytes with the whole trace known in advance and free eviction (dynamic "
         "programming over resident sets). Like the manager it may run a component larger than the budget alone.",
         "- **blocks (modelled)**: the static block optimum, *modelled from the knapsack*, neither replayed nor "
@@ -270,10 +286,13 @@ def build_report(results, elapsed: float) -> str:
         "use; the kept blocks are copied once, in the first call. It never exceeds the budget, unlike the optimum's "
         "components larger than it. A static choice (greedy, within one block of the best static choice), not an "
         "optimum over schedules and not a bound: where components run one after another (Wan 2.2's experts) loading "
-        "whole components per call moves less. The runtime streams a component that does not fit the budget, or "
-        "that runs once beside the resident ones (docs/residency.md), and keeps nothing else block by block: this "
-        "column is what a static block choice could reach, not what the runtime does today. Ratio to the optimum in "
-        "parentheses; `-`: not even the ring fits.",
+        "whole components per call moves less. Ratio to the optimum in parentheses; `-`: not even the ring fits.",
+        "- **block optimum**: the least bytes of any block schedule over the whole trace known in advance, within "
+        "the budget (`models/block_optimum.py`, what `diffusers-offload plan --optimum` reports: a dynamic programme "
+        "over the blocks each component keeps, its rest then its blocks largest first, eviction free; a component "
+        "that cannot run in the budget even alone runs whole and alone, as the runtime runs it). In parentheses: "
+        "**manager (streams)** as a ratio to it (1.00: the block optimum; below 1: the manager keeps a set this "
+        "optimum's prefixes cannot); `-`: too many kept-set combinations to compute.",
         "",
         "Stock is marked *over* where its own peak (one component plus what the chain has not evicted yet) exceeds "
         "the budget. Manager targets: first call within 1.10 of the optimum's best first call; from the second "
@@ -313,6 +332,8 @@ def build_report(results, elapsed: float) -> str:
         "",
     ]
     total_first = total_steady = met_first = met_steady = 0
+    exact_rows = [row for _, _, _, rows in results for row in rows if row["block_exact"]]
+    within = sum(row["streams"][0] <= 1.05 * row["block_exact"] for row in exact_rows)
     misses = []
     body = []
     for model, workload, calls, rows in results:
@@ -321,8 +342,8 @@ def build_report(results, elapsed: float) -> str:
             f"### {title}: {workload}",
             "",
             "| budget | stock | exclude | keep | manager | manager (streams) | optimum | optimum s | blocks (modelled) "
-            "| first | later |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| block optimum (streams ratio) | first | later |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in rows:
             opt = row["optimum"]
@@ -341,6 +362,7 @@ def build_report(results, elapsed: float) -> str:
                 f"| {cell(row['manager'], opt, 'over')} | {cell(row['streams'], opt, 'over')} "
                 f"| {gb(opt)} | {opt / BANDWIDTH:.1f} "
                 f"| {'-' if row['blocks'] is None else cell((row['blocks'], False), opt, '')} "
+                f"| {block_cell(row)} "
                 f"| {first}{'' if first_ok else ' ✗'} | {later}{'' if steady_ok else ' ✗'} |"
             )
         body.append("")
@@ -350,6 +372,8 @@ def build_report(results, elapsed: float) -> str:
         f"- First call within 1.10 of the optimum's first call: {met_first} of {total_first} workload/budget cases.",
         f"- Every call from the second on equal to the optimum's steady state: {met_steady} of {total_steady} "
         "multi-call cases.",
+        f"- Manager (streams) within 1.05 of the block optimum: {within} of {len(exact_rows)} cases where the "
+        "budget binds (the others move nothing, or the optimum was not computed).",
     ]
     lines += [
         "",

@@ -12,7 +12,7 @@ __version__ = "0.2.0"
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
-    "BlockStatus": "blocks.streams",
+    "BlockStatus": "blocks.status",
     "ChainPolicy": "policies.chain",
     "ComponentStatus": "runtime.api",
     "DeferredCpuOffload": "runtime.hook",

@@ -17,6 +17,9 @@ KINDS = (COPY, DROP, PREFETCH)
 #: A policy's decision direction: run a component larger than the room the budget leaves it by streaming its blocks
 #: (the most used stay on the device, the others pass through a ring of device buffers); see `blocks/`.
 STREAM = "stream"
+#: A policy's decision direction: the component keeps exactly the blocks its `Keep` names on the device (`Decision.kept`);
+#: while it runs, its other blocks stream through its ring. Residency block by block (`residency/blockwise.py`).
+KEEP = "keep"
 
 #: The cause of a move an out-of-memory recovery forced (`TransferRecord.cause`): evictions that made room, a component
 #: restarted to stream its blocks in less room.

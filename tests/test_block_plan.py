@@ -80,9 +80,11 @@ def test_a_denoiser_larger_than_the_budget_streams_as_choose_blocks_says(vram, f
         t5 = t5.kept_bytes + t5.streamed_bytes
     per_generation = sizes["text_encoder"] + t5 + expected.kept_bytes + 28 * expected.streamed_bytes + sizes["vae"]
     budget = entry["rows"]["budget"]
-    assert budget["first_generation_bytes"] == budget["steady_generation_bytes"] == per_generation
+    # Never more than the schedule walked here (the transformer streaming alone, T5 evicting all its kept blocks);
+    # from the second generation on T5 evicts only those it needs room for, not all of them (issue 30).
+    assert budget["steady_generation_bytes"] < budget["first_generation_bytes"] <= per_generation
     residency = result["strategies"]["residency"]
-    assert residency["first_generation_bytes_excluding_setup"] == per_generation
+    assert residency["first_generation_bytes_excluding_setup"] == budget["first_generation_bytes"]
     assert residency["peak_bytes"] <= room and budget["fits"] is True
     assert result["recommended"]["strategy"] == "residency"  # the only strategy within the card
     rows = entry["rows"]
@@ -110,16 +112,20 @@ def test_every_expert_of_wan_2_2_streams_with_its_own_kept_blocks():
     forwards = call.count("transformer") + call.count("transformer_2")
     per_generation = sizes["text_encoder"] + 2 * expected.kept_bytes + forwards * expected.streamed_bytes
     per_generation += sizes["vae"]
-    assert entry["rows"]["budget"]["first_generation_bytes"] == per_generation
-    assert entry["rows"]["budget"]["steady_generation_bytes"] == per_generation
+    # Each expert keeps at least what it keeps streaming alone (more where the other's room is free: issue 30).
+    assert entry["rows"]["budget"]["first_generation_bytes"] <= per_generation
+    assert entry["rows"]["budget"]["steady_generation_bytes"] <= per_generation
 
 
-def test_a_preview_between_steps_reloads_the_kept_blocks_at_every_step(flux_blocks):
+def test_a_preview_between_steps_no_longer_reloads_the_kept_blocks_at_every_step(flux_blocks):
+    """The cliff of issue 30: with a VAE preview decoded between steps, the transformer streaming in the room left,
+    the VAE's room was made by evicting the transformer (its kept blocks came back at every step). Now the VAE takes
+    its ring's room and a few blocks: far less than the old schedule, walked here by hand."""
     result = plan("flux-dev", vram="16GiB", steps=4, preview=True, generations=1)
     sizes = {n: c["nbytes"] for n, c in result["components"].items()}
     plan_ = streams(flux_blocks["transformer"], result["block_residency"]["room_bytes"])
     moved, on_device, streaming = 0, set(), False
-    for name in result["call_trace"]:  # the transformer streams alone; anything else that runs stops its stream
+    for name in result["call_trace"]:  # the old schedule: anything else that runs stops the transformer's stream
         if name == "transformer":
             moved += (0 if streaming else plan_.kept_bytes) + plan_.streamed_bytes
             on_device, streaming = set(), True
@@ -128,7 +134,8 @@ def test_a_preview_between_steps_reloads_the_kept_blocks_at_every_step(flux_bloc
             on_device.add(name)
             streaming = False
     assert result["call_trace"].count("vae") == 5
-    assert result["block_residency"]["rows"]["budget"]["first_generation_bytes"] == moved
+    now = result["block_residency"]["rows"]["budget"]["first_generation_bytes"]
+    assert now < moved - 2 * plan_.kept_bytes  # at least two steps' kept blocks not copied again
     assert result["block_residency"]["rows"]["budget"]["steady_generation_bytes"] is None  # one generation
 
 
@@ -143,7 +150,8 @@ def test_the_26_gib_case_streams_t5_beside_the_resident_transformer(flux_blocks)
     room = 26 * GiB - sum(sizes[n] for n in ("transformer", "text_encoder", "vae"))  # what the others leave T5
     t5 = streams(flux_blocks["text_encoder_2"], room)
     assert 0 < t5.kept_bytes and t5.device_bytes <= room < sizes["text_encoder_2"]
-    assert budget["steady_generation_bytes"] == t5.streamed_bytes < sizes["text_encoder_2"]
+    # At most T5's streamed blocks alone (its kept set chosen exactly within the room, whose ring may differ).
+    assert 0 < budget["steady_generation_bytes"] <= t5.streamed_bytes < sizes["text_encoder_2"]
     assert result["strategies"]["residency"]["peak_bytes"] <= 26 * GiB
     # On a 16 GiB card the transformer's stream takes the whole room: T5 evicts it at each generation's start (with
     # no reserve it is still on the device at the end of each, the VAE fitting beside it), so its kept blocks cross
@@ -214,7 +222,7 @@ def test_the_plan_replay_predicts_the_runtime_ledger_of_a_streaming_transformer(
         calls = [list(call) for call in doe.offload_status(ours).recent_calls]
         doe.release(ours)
     ledger = doe.transfer_ledger(ours)
-    assert {r.component for r in ledger.records if r.block is not None} == {"transformer"}
+    assert "transformer" in {r.component for r in ledger.records if r.block is not None}
     layout = doe.PipelineLayout.from_pipeline(ours)
     plans = BlockPlans.of({n: doe.block_sizes(m) for n, m in modules.items()})
     moved = replay_generations(residency_strategy(layout, sizes, budget).policy, calls[-1], sizes, 3,
@@ -259,10 +267,10 @@ def test_seconds_use_each_strategy_s_bandwidth_and_hide_streamed_copies_behind_c
     )
     copies = plan("flux-dev", **options)["block_residency"]
     rows = copies["rows"]
-    serial = others + expected.kept_bytes
-    assert rows["budget_pinned"]["seconds_steady"] == pytest.approx((serial + 28 * expected.streamed_bytes) / pinned)
+    serial = others + expected.kept_bytes  # the first generation (the steady ones evict fewer kept blocks)
+    assert rows["budget_pinned"]["seconds_first"] == pytest.approx((serial + 28 * expected.streamed_bytes) / pinned)
     # The budget as recommended (no pin_memory, no prefetch): the same bytes, pageable, none hidden.
-    assert rows["budget"]["seconds_steady"] == pytest.approx((serial + 28 * expected.streamed_bytes) / pageable)
+    assert rows["budget"]["seconds_first"] == pytest.approx((serial + 28 * expected.streamed_bytes) / pageable)
     assert rows["sequential"]["seconds_steady"] == pytest.approx(
         rows["sequential"]["steady_generation_bytes"] / pageable
     )
@@ -273,10 +281,10 @@ def test_seconds_use_each_strategy_s_bandwidth_and_hide_streamed_copies_behind_c
     for step in (0.01, 10.0):  # copies longer than compute, then hidden behind it
         timed = plan("flux-dev", step_seconds=step, **options)["block_residency"]
         rows = timed["rows"]
-        assert rows["budget_pinned"]["seconds_steady"] == pytest.approx(
+        assert rows["budget_pinned"]["seconds_first"] == pytest.approx(
             28 * step + serial / pinned + 28 * max(0.0, expected.streamed_bytes / pinned - step)
         )
-        assert rows["budget"]["seconds_steady"] == pytest.approx(
+        assert rows["budget"]["seconds_first"] == pytest.approx(
             28 * step + (serial + 28 * expected.streamed_bytes) / pageable
         )
         group = 28 * max(step, sizes["transformer"] / pinned) + others / pinned

@@ -96,9 +96,10 @@ def test_plan_prices_the_recommended_budget_call_once_and_names_the_options_it_a
     result = json.loads(out)
     assert code == 0 and result["recommended"]["strategy"] == "residency"
     assert "pin_memory" not in result["recommended"]["call"] and "prefetch" not in result["recommended"]["call"]
-    strategy = result["strategies"]["residency"]["seconds"]["mean_per_generation_including_setup"]
+    strategy = result["strategies"]["residency"]["seconds"]["first_generation_excluding_setup"]
     rows = result["block_residency"]["rows"]
-    # The recommended call from pageable memory, priced the same in both tables (no setup, every generation alike) ...
+    assert result["strategies"]["residency"]["setup_bytes"] == 0
+    # The recommended call from pageable memory, priced the same in both tables (its first generation; no setup) ...
     assert rows["budget"]["seconds_first"] == pytest.approx(strategy, rel=1e-3)
     assert "pin_memory=False" in rows["budget"]["label"]
     # ... and as it runs on CUDA by default (page-locked, prefetch), a row of its own that says so.

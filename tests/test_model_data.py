@@ -9,6 +9,8 @@ doe = pytest.importorskip("diffusers_offload_ext")
 
 import tiny_pipelines as tiny  # noqa: E402
 
+from diffusers_offload_ext.blocks.find import block_sizes  # noqa: E402
+from diffusers_offload_ext.blocks.items import block_items  # noqa: E402
 from diffusers_offload_ext.constants import END  # noqa: E402
 from diffusers_offload_ext.layout import PipelineLayout  # noqa: E402
 from diffusers_offload_ext.testing import record_model_data as record  # noqa: E402
@@ -121,8 +123,31 @@ def test_replays_of_generated_traces_equal_the_ledger(name):
                 with torch.no_grad():
                     pipe(**kwargs)
             real = [(r.direction, r.component, r.nbytes, r.kind, r.call_index) for r in doe.transfer_ledger(pipe)]
-            replayed = doe.replay_trace(strategy.policy, trace, sizes, zero_copy=strategy.zero_copy).moves
-            assert [tuple(m) for m in replayed] == real, strategy.name
+            if not options:
+                replayed = doe.replay_trace(strategy.policy, trace, sizes, zero_copy=strategy.zero_copy).moves
+                assert [tuple(m) for m in replayed] == real, strategy.name
+                continue
+            # The budget binds: the manager decides block by block, told the blocks as the runtime tells it (and,
+            # once a call has shown it, that a VAE that only decodes runs no encoder block).
+            modules = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+            blocks = {n: items for n, m in modules.items() if (items := block_items(m)) is not None}
+            runs = {"vae": [b for b in block_sizes(modules["vae"]) if not b.startswith("encoder.")]}
+            replayed = doe.replay_trace(strategy.policy, trace, sizes, zero_copy=True, blocks=blocks, runs=runs).moves
+            copied = {}
+            for direction, component, nbytes, _, call in real:
+                if direction == "onload":
+                    copied[(call, component, "real")] = copied.get((call, component, "real"), 0) + nbytes
+            for direction, component, nbytes, _, call in replayed:
+                if direction == "onload":
+                    copied[(call, component, "replay")] = copied.get((call, component, "replay"), 0) + nbytes
+            for call, component in {(c, n) for c, n, _ in copied}:
+                mine, predicted = copied.get((call, component, "real"), 0), copied.get((call, component, "replay"), 0)
+                # Exact once the blocks' order is known (a first stream may prefetch along module order a block
+                # that runs later), but for Wan's VAE, which runs its mid block once per latent frame.
+                if call == 0 or (name == "wan22" and component == "vae"):
+                    assert mine >= predicted, (call, component)
+                else:
+                    assert mine == predicted, (call, component)
     finally:
         doe.uninstall()
 

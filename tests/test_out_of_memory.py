@@ -263,12 +263,14 @@ def test_the_next_call_of_a_shape_starts_with_its_learnt_reserve_and_runs_withou
     assert status.budget > unseen + 25_000  # and the automatic budget left that, not `memory_reserve`
 
 
-@pytest.mark.parametrize("capacity, size", [(1_000_000, 64), (600_000, 32)])
+@pytest.mark.parametrize("capacity, size", [(900_000, 64), (500_000, 32)])
 def test_a_call_that_cannot_fit_at_any_residency_gets_a_clear_error_and_leaves_nothing_half_loaded(
     reference, capacity, size
 ):
-    """The transformer streamed in its least room beside its activations: 1.12 MB at 64x64, 0.70 MB at 32x32, more
-    than the device (on the smaller one, loading it whole runs out of memory halfway, every time)."""
+    """The transformer streamed in its least room, through a ring of two buffers (the last rung), beside its
+    activations: more than the device (on the smaller one, loading it whole runs out of memory halfway, every
+    time). With a ring of two buffers the devices of 1,000,000 B at 64x64 and 600,000 B at 32x32 this test used
+    before now fit."""
     pipe = deep_flux()
     with SimulatedAccelerator(capacity=capacity) as sim:
         pipe.enable_model_cpu_offload(
@@ -429,9 +431,10 @@ def test_a_stream_that_runs_out_of_memory_as_it_starts_leaves_its_blocks_on_the_
         watch.remove()
         clean(pipe, sim)
     assert failures == [where] and max_abs_diff(image, reference[32]) == 0.0
-    onloads = [r for r in doe.transfer_ledger(pipe).records if r.block is not None and r.direction == "onload"]
-    offloads = [r for r in doe.transfer_ledger(pipe).records if r.block is not None and r.direction == "offload"]
-    assert sum(r.nbytes for r in onloads) == sum(r.nbytes for r in offloads)  # every block loaded went back
+    records = doe.transfer_ledger(pipe).records
+    for name in components(pipe):  # every byte loaded went back (whole, or block by block)
+        onloads = sum(r.nbytes for r in records if r.component == name and r.direction == "onload")
+        assert onloads == sum(r.nbytes for r in records if r.component == name and r.direction == "offload"), name
 
 
 def test_a_rung_whose_stream_cannot_start_says_so_and_the_retry_loads_the_component_whole(

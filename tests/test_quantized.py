@@ -15,6 +15,7 @@ pytest.importorskip("diffusers_offload_ext", reason="plugin-only: byte counts")
 import diffusers_offload_ext as doe  # noqa: E402
 from diffusers_offload_ext.blocks.find import block_sizes  # noqa: E402
 from diffusers_offload_ext.testing import quantized, tiny  # noqa: E402
+from budget_watch import MovesWithin  # noqa: E402
 
 pytestmark = pytest.mark.plugin_only
 NAME = "flux"
@@ -239,20 +240,6 @@ def test_eight_bit_components_count_against_the_budget_at_every_move(saved):
 STREAMING = [backend_param(b) for b in quantized.BACKENDS if b != "int8"]
 
 
-def ledger_within(pipe, status, budget):
-    """At every move of the ledger: the streamed blocks in the ring fit its buffers, and the whole components, the
-    kept blocks and the ring (while streaming) fit the budget (as tests/test_block_streaming.py checks it)."""
-    whole, blocks, streaming = {}, {}, False
-    for record in doe.transfer_ledger(pipe).records:
-        table, key = (whole, record.component) if record.block is None else (blocks, record.block)
-        table[key] = record.nbytes if record.direction == "onload" else 0
-        kept = sum(v for k, v in blocks.items() if k in status.resident)
-        in_ring = sum(v for k, v in blocks.items() if k in status.streamed)
-        streaming = (streaming or record.block is not None) and any(blocks.values())
-        assert in_ring <= status.ring_bytes, record
-        assert sum(whole.values()) + kept + (status.ring_bytes if streaming else 0) <= budget, record
-
-
 @pytest.mark.usefixtures("installed")
 @pytest.mark.parametrize("backend", STREAMING)
 def test_a_quantized_transformer_streams_within_the_budget_at_every_move_its_state_in_the_ring(saved, backend):
@@ -284,11 +271,14 @@ def test_a_quantized_transformer_streams_within_the_budget_at_every_move_its_sta
         for block in [*pipe.transformer.transformer_blocks, *pipe.transformer.single_transformer_blocks]:
             block.register_forward_hook(measure)
         pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget)
+        watch = MovesWithin(pipe, sim, budget)
         images = pipe(**tiny.call_kwargs(NAME, pipe=pipe), callback_on_step_end=callback).images
+        watch.remove()
         image = torch.as_tensor(images).detach().to(device="cpu", dtype=torch.float32)
     blocks = block_sizes(pipe.transformer)
-    streamed = [r for r in doe.transfer_ledger(pipe).records if r.block is not None]
+    streamed = [r for r in doe.transfer_ledger(pipe).records if r.block is not None and r.component == "transformer"]
     assert streamed and all(r.nbytes == blocks[r.block] for r in streamed)  # storage bytes, state included
     assert torch.equal(image, expected)
-    ledger_within(pipe, statuses[0], budget)
+    assert statuses[0] is not None and statuses[0].streamed
+    assert watch.moves and watch.over == []  # at every move, from the tensors (quantization state included)
     assert peaks and max(peaks) <= budget

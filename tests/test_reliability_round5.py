@@ -22,6 +22,7 @@ from diffusers_offload_ext.testing import tiny  # noqa: E402
 from diffusers_offload_ext.testing.copy_stream import fake_cuda  # noqa: E402
 from diffusers_offload_ext.testing.device_memory import out_of_memory  # noqa: E402
 from diffusers_offload_ext.testing.page_locking import fake_page_locking  # noqa: E402
+from test_block_optimum import flux_4_8  # noqa: E402
 from test_block_streaming import deep_flux  # noqa: E402
 from test_out_of_memory import ALL_WEIGHTS, NO_COPY, WeightsWatch, call, clean, forced  # noqa: E402
 from test_streams_between_calls import armed  # noqa: E402
@@ -230,6 +231,33 @@ def test_a_module_in_training_mode_that_a_retry_could_change_is_not_run_again(ca
             tiny.run(pipe, "flux")
     assert not isinstance(caught.value, doe.OffloadOutOfMemoryError)
     assert "is not run again" in caplog.text and why in caplog.text
+
+
+@pytest.mark.parametrize("errors", [3, 4])
+def test_three_out_of_memory_errors_in_one_streamed_forward_end_with_fewer_blocks_and_a_smaller_ring(caplog, errors):
+    """Fault 8(b): the rungs of a streaming component are fewer blocks kept, down to its rest and a ring of three
+    buffers, then a ring of two; three errors in one forward ended after two rungs (the second only gave the cached
+    memory back). Four errors still end the recovery, with nothing half loaded."""
+    from harness import diffusers_logs
+
+    expected = tiny.run(flux_4_8(), "flux")
+    pipe = flux_4_8()
+    budget = int(sum(block_sizes(pipe.transformer).values()) * 0.95)
+    others = ["text_encoder", "text_encoder_2", "vae"]
+    pipe.enable_model_cpu_offload(device="cpu", memory_budget=budget, exclude_from_offload=others)
+    with diffusers_logs(caplog, "WARNING"), out_of_memory(pipe.transformer.x_embedder, times=errors) as injected:
+        if errors == 4:
+            with pytest.raises(doe.OffloadOutOfMemoryError, match="at its smallest residency it ran out again") as e:
+                tiny.run(pipe, "flux")
+            said = str(e.value)
+        else:
+            image = tiny.run(pipe, "flux")
+            said = caplog.text
+    assert len(injected.raised) == errors and "a ring of 2 buffers" in said
+    if errors == 3:
+        assert max_abs_diff(image, expected) == 0.0
+        assert sum(s.recoveries for s in doe.offload_status(pipe).learnt) == 1
+    assert max_abs_diff(tiny.run(pipe, "flux"), expected) == 0.0  # and the next call runs
 
 
 # -- 9: the guards keep the signatures diffusers reads -----------------------------------------------------------------

@@ -16,6 +16,8 @@ pytest.importorskip("diffusers_offload_ext", reason="plugin-only: the residency 
 import diffusers_offload_ext as doe  # noqa: E402
 import toy  # noqa: E402
 from diffusers_offload_ext.residency import budget as budget_module  # noqa: E402
+from diffusers_offload_ext.blocks.find import block_sizes  # noqa: E402
+from diffusers_offload_ext.blocks.items import block_items  # noqa: E402
 from diffusers_offload_ext.blocks.streams import stream_room  # noqa: E402
 from diffusers_offload_ext.transfer import memory  # noqa: E402
 
@@ -351,15 +353,20 @@ def replay_ledger(pipe, budget):
     modules = pipe.components
 
     rooms = {name: room for name in sizes if (room := stream_room(modules[name])) is not None}
-    return [tuple(m) for m in doe.replay_trace(fresh, trace, sizes, zero_copy=True, stream_rooms=rooms).moves]
+    # The blocks the runtime tells the policy of (block by block when the budget binds), and what each use runs: a
+    # VAE that only decodes runs no encoder block.
+    blocks = {name: block_items(modules[name]) for name in rooms}
+    runs = {"vae": [b for b in block_sizes(modules["vae"]) if not b.startswith("encoder.")]}
+    replayed = doe.replay_trace(fresh, trace, sizes, zero_copy=True, stream_rooms=rooms, blocks=blocks, runs=runs)
+    return [tuple(m) for m in replayed.moves]
 
 
-def totals(moves):
-    """Bytes per (call, direction, component, kind): a streamed component's block moves add up to the whole
-    component's move the replay models (an onload ahead counts as a copy)."""
+def onloads(moves):
+    """Bytes copied to the device per (call, component): whole components, kept blocks and streamed blocks."""
     found = collections.Counter()
     for direction, component, nbytes, kind, call in moves:
-        found[(call, direction, component, "copy" if kind == "prefetch" else kind)] += nbytes
+        if direction == "onload":
+            found[(call, component)] += nbytes
     return found
 
 
@@ -379,10 +386,20 @@ def test_replay_agrees_with_the_ledger_of_a_tiny_pipeline(installed, name):
     real = [(r.direction, r.component, r.nbytes, r.kind, r.call_index) for r in records]
     assert any(kind == "drop" for _, _, _, kind, _ in real)
     replayed = replay_ledger(pipe, budget)
-    assert totals(real) == totals(replayed)
     streamed = {r.component for r in records if r.block is not None}
+    assert streamed  # the budget binds: the policy decides block by block
     whole = [m for m, r in zip(real, records) if r.component not in streamed]
     assert whole == [m for m in replayed if m[1] not in streamed]  # the same moves, in order, of the others
+    # The bytes copied, per call and component, are the replay's: exactly once the blocks' order is known (in the
+    # first call a streamed block may be prefetched along module order and not run), except for Wan's VAE, which
+    # runs its mid block once per latent frame (the replay books each block once per use).
+    real, replayed = onloads(real), onloads(replayed)
+    for key in set(real) | set(replayed):
+        call, component = key
+        if call == 0 or (name == "wan22" and component == "vae"):
+            assert real[key] >= replayed[key], key
+        else:
+            assert real[key] == replayed[key], key
 
 
 def test_tiny_pipeline_images_are_unchanged(installed):

@@ -27,11 +27,17 @@ MAX_BLOCKS = 4096
 
 
 class Item(NamedTuple):
-    """A block as the knapsack sees it: `key`, `nbytes` on the device, `uses` per call."""
+    """A block as the knapsack sees it: `key`, `nbytes` on the device, `uses` per call, and the bytes of the ring
+    buffer it needs when it streams (`slot`; 0: `nbytes`; at run time its tensors' bytes, each start aligned)."""
 
     key: Hashable
     nbytes: int
     uses: int
+    slot: int = 0
+
+    @property
+    def ring_slot(self) -> int:
+        return self.slot or self.nbytes
 
 
 class BlockChoice(NamedTuple):

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
@@ -31,11 +31,14 @@ class KeptBlocks:
         self.copies: Dict[str, HostCopy] = {}
         self.states: Dict[str, list] = {}  # the kept blocks' quantization state (its host copy puts it back)
 
-    def load(self) -> None:
-        """Every kept block to the device, its host copy kept and sealed. A block that cannot be loaded whole (the
-        device ran out of memory) goes back to the host before the error propagates; those loaded before it stay,
-        for `evict`."""
+    def load(self, names: Optional[Iterable[str]] = None) -> None:
+        """Every kept block (or those named) to the device, its host copy kept and sealed. A block that cannot be
+        loaded whole (the device ran out of memory) goes back to the host before the error propagates; those loaded
+        before it stay, for `evict`."""
+        names = None if names is None else set(names)
         for block in self.blocks:
+            if (names is not None and block.name not in names) or block.name in self.copies:
+                continue
             copy = HostCopy(self.component, self.check, only=block.slots)
             try:
                 self.copier.onload_kept(block.slots, self.device, move_slots)
@@ -49,11 +52,12 @@ class KeptBlocks:
             self.copies[block.name] = copy
             self.emit(block.name, ONLOAD, block.nbytes, COPY)
 
-    def evict(self) -> None:
-        """Every kept block loaded back to the host: dropped when unchanged, else copied back."""
+    def evict(self, names: Optional[Iterable[str]] = None) -> None:
+        """Every kept block (or those named) loaded back to the host: dropped when unchanged, else copied back."""
+        names = None if names is None else set(names)
         for block in self.blocks:
-            if block.name not in self.copies:
-                continue  # never loaded (its load failed, or one before it)
+            if block.name not in self.copies or (names is not None and block.name not in names):
+                continue  # never loaded (its load failed, or one before it), or staying
             copy, states = self.copies.pop(block.name), self.states.pop(block.name, ())
             if copy.check and copy.unchanged(self.component):
                 copy.restore(self.component)  # its quantization state's host tensors too

@@ -31,18 +31,19 @@ import torch
 
 from ..constants import COPY, DROP, OFFLOAD, ONLOAD, PREFETCH
 from ..transfer.base import HOST
-from .hooks import Around
 from ..transfer.inference import has_inference_parameters, streams_ordinary_tensors
 from .kept_blocks import KeptBlocks
 from ..transfer.copier import Copier
 from .ring import Ring
+from .kept_set import KeptSet
+from .find import REST
 from .streamed_block import StreamedBlock, device_of
 
 #: `(block, direction, nbytes, kind)`: told of every block move.
 Emit = Callable[[str, str, int, str], None]
 
 
-class BlockStreamer:
+class BlockStreamer(KeptSet):
     """Streams the blocks of `component` that `plan` does not keep.
 
     Args:
@@ -79,17 +80,30 @@ class BlockStreamer:
     ) -> None:
         self.passes, self.inference_parameters, self.schedule = passes, has_inference_parameters(component), schedule
         self.component, self.device, self.copier, self.emit, self.check = component, device, copier, emit, check
+        self.blocks = {b.name: b for b in blocks}
         self.depth = max(plan.slots - 1, 1)
         self.kept = [b for b in blocks if b.name in set(plan.kept)]
-        self.streamed = {b.name: StreamedBlock(b) for b in blocks if b.name not in set(plan.kept)}
-        known = [n for n in (order or ()) if n in self.streamed]
-        self.runs = known or list(self.streamed)  # the order they run (prefetch follows it): last time's, or modules'
+        self.streamed = {b.name: StreamedBlock(b) for b in blocks if b.name not in set(plan.kept) and b.name != REST}
+        #: Every block that ran in its last pass, in order (kept ones too: what it keeps may change).
+        self.ran: List[str] = list(order or ())
+        known = [n for n in self.ran if n in self.streamed]
+        #: The streamed blocks in the order they run (the prefetch follows it): last time's, else module order.
+        self.runs = known or list(self.streamed)
         self.slot_bytes, self.slots = plan.slot_bytes, plan.slots
         self.uses: Dict[str, int] = {block.name: 0 for block in blocks}
+        #: Which use of the component in its call runs now (`BlockStreams.begin_use`), and the blocks each ran.
+        self.use_index: Optional[int] = None
+        self.runs_by_use: Dict[int, set] = {}
         self.seen: List[str] = []
         self.keeper, self.edits_between = KeptBlocks(component, self.kept, device, copier, emit, check), edits_between
         self.ring: Optional[Ring] = None
-        self._holder, self._tokens, self._freed, self._handles = [], [], [], []  # per buffer: block, copy, last reader
+        #: Whether the ring is wanted now (a stream whose component does not run may let it go: `release_ring`).
+        self.holds_ring = True
+        self._holder: List[Optional[str]] = []
+        self._tokens: List[object] = []
+        self._freed: List[object] = []
+        self._handles: list = []
+        self._hooks: Dict[str, object] = {}  # block -> its hooks (`Around`)
 
     # -- life -------------------------------------------------------------------------------------------------------
     @streams_ordinary_tensors
@@ -106,20 +120,25 @@ class BlockStreamer:
 
     def _start(self) -> None:
         self.keeper.load()
-        self.ring = Ring(self.device, self.slot_bytes, self.slots)
-        allocated = self.copier.mark()  # the first copy into each buffer waits for its allocation, nothing more
-        self._holder, self._tokens, self._freed = [None] * self.slots, [None] * self.slots, [allocated] * self.slots
         self._handles = [
             self.component.register_forward_pre_hook(lambda *_: _forward_starts(self)),
             self.component.register_forward_hook(lambda *_: _forward_ends(self), always_call=True),
         ]
         for name, block in self.streamed.items():
             _refresh(self, block)  # a tensor found on the device goes home
-            enter, leave = (lambda name=name: self.enter(name)), (lambda name=name: self.leave(name))
-            self._handles.append(Around(block.module, enter, leave))
+            self._hook_streamed(name)
         for block in self.kept:  # counted too, so that the next plan weighs every block by its uses
-            self._handles.append(Around(block.module, lambda name=block.name: self._count(name), None))
-        _forward_starts(self, self.passes)  # cross while the rest runs
+            self._hook_kept(block.name)
+        if self.holds_ring:
+            self.hold_ring()
+
+    def new_ring(self) -> Ring:
+        """A ring of its `slots` buffers of `slot_bytes` on the device."""
+        return Ring(self.device, self.slot_bytes, self.slots)
+
+    def first_blocks(self) -> None:
+        """The ring was just allocated: its first blocks cross while the rest runs (`_forward_starts`)."""
+        _forward_starts(self, self.passes)
 
     def settle(self) -> None:
         """Release every block in the ring (a failed call left one running, or prefetches were never used)."""
@@ -149,9 +168,9 @@ class BlockStreamer:
         self.keeper.forget()
 
     def _unhook(self) -> None:
-        for handle in self._handles:
+        for handle in self._handles + list(self._hooks.values()):
             handle.remove()
-        self._handles = []
+        self._handles, self._hooks = [], {}
         if self.ring is not None:
             self.copier.drain()
             self.ring.close()
@@ -166,12 +185,16 @@ class BlockStreamer:
         block = self.streamed[name]
         if block.running:
             return
+        if self.ring is None:  # let go while it did not run, and not asked for again: allocated now
+            self.hold_ring()
         slot = block.slot if block.slot is not None else self._load(name, ahead=False)
         self.copier.wait(self._tokens[slot])
         self._tokens[slot] = None
         block.swap_in(self.device)
         block.running = True
         self.uses[name] += 1
+        if self.use_index is not None:
+            self.runs_by_use.setdefault(self.use_index, set()).add(name)
         self._learn(name)
         self._prefetch(name)
 
@@ -191,26 +214,9 @@ class BlockStreamer:
     @torch.compiler.disable
     def _count(self, name: str) -> None:
         self.uses[name] += 1
-
-    @property
-    def order(self) -> List[str]:
-        """Every streamed block: those that run, in their order, then the others."""
-        return self.runs + [n for n in self.streamed if n not in self.runs]
-
-    def _learned(self) -> None:
-        """A pass that never repeated (one forward) is the order too."""
-        if self.seen:
-            self.runs = list(self.seen)
-        self.seen = None
-
-    def _learn(self, name: str) -> None:
-        if self.seen is None:
-            return
-        if name in self.seen:
-            self.runs = list(self.seen)
-            self.seen = None  # one pass is the order
-        else:
-            self.seen.append(name)
+        if self.use_index is not None:
+            self.runs_by_use.setdefault(self.use_index, set()).add(name)
+        self._learn(name)
 
     def _prefetch(self, name: str) -> None:
         upcoming = self.schedule(self.runs, name, self.depth, self.passes)

@@ -1,126 +1,32 @@
-"""`BlockStreams`: the components of one pipeline that run block by block because they are larger than the room the
-budget leaves them: their block choices and streamers, and what each streamer learned (the order its blocks ran in,
-how often each ran) for its next start; and `stream_room`, the fact the policy is told of how little room a
-component can stream in."""
+"""`BlockStreams`: the components of one pipeline that keep only some of their blocks on the device and stream the
+others (the residency policy's `KEEP` moves, or a component larger than the room an out-of-memory recovery leaves
+it): their block choices and streamers, what each streamer learned (the order its blocks ran in, how often each ran)
+for its next start, and the facts the policy is told of them (`Facts.streaming`, `Facts.kept`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Dict, Iterator, NamedTuple, Optional, Set, Tuple
+from typing import Dict, Optional, Set, Tuple
 
 from diffusers.utils import logging
 
-from .find import REST, find_blocks
-from .choice import DEPTH, Item, BlockChoice, least_room, choose_blocks
+from .adopt import adopt_whole
+from .find import find_blocks
+from .lessons import StreamLessons
+from .status import BlockStatus, KeptFacts, StreamBytes
+from .choice import DEPTH, BlockChoice
+from .items import block_choice, block_items, kept_choice, stream_room  # noqa: F401 (re-exported)
 from .prefetch import blocks_ahead
-from .streamed_block import ring_hosts
-from ..transfer.parts import streamable
-from .ring import aligned_nbytes
 from .streamer import BlockStreamer
 from ..units import format_size
 
 logger = logging.get_logger(f"diffusers.{__name__}")
 
-
-class BlockStatus(NamedTuple):
-    """How a streaming component runs (`ComponentStatus.blocks`).
-
-    Args:
-        resident (`Tuple[str, ...]`): Its blocks kept on the device while it streams (`"<rest>"` is what no repeated
-            block holds: embeddings, norms, projections).
-        streamed (`Tuple[str, ...]`): Its blocks copied into the ring just before they run, in the order they ran.
-        ring_bytes (`int`): Bytes of the ring of device buffers they pass through (`slots` of `slot_bytes`).
-        slots (`int`): Ring buffers: the running block and those prefetched ahead.
-        device_bytes (`int`): Bytes it holds on the device: the resident blocks and the ring.
-        bytes_per_pass (`int`): Bytes streamed by one forward (one denoising step, for a denoiser).
-    """
-
-    resident: Tuple[str, ...]
-    streamed: Tuple[str, ...]
-    ring_bytes: int
-    slots: int
-    device_bytes: int
-    bytes_per_pass: int
+#: The prefetch depths a stream started by an out-of-memory recovery may take, largest ring first: below the room of
+#: a ring of `DEPTH + 1` buffers, one of two (one block prefetched).
+RECOVERY_DEPTHS = (DEPTH, 1)
 
 
-def _items(module, uses: Optional[Dict[str, int]] = None) -> Tuple[Optional[list], list, str]:
-    """`(items, blocks, why not)`: `module`'s blocks as the knapsack sees them (ring slots sized as the ring lays blocks
-    out, each weighed by `uses`, 1 if not given); the items are `None` when it cannot stream, and `why not` says
-    why."""
-    blocks = find_blocks(module)
-    if not [b for b in blocks if b.name != REST]:
-        return None, blocks, "it has no repeated blocks to stream"
-    for block in blocks:
-        odd = [t for t in _tensors(block) if not streamable(t)]
-        if block.name != REST and odd:
-            return None, blocks, f"block `{block.name}` holds a tensor that cannot stream ({type(odd[0]).__name__})"
-    known = bool(uses)  # from the last stream: a block that did not run then weighs nothing
-    items = [  # a streamed block's ring buffer holds its quantization state too
-        Item(
-            b.name,
-            b.nbytes if b.name == REST else aligned_nbytes(ring_hosts(b.slots)),
-            uses.get(b.name, 0) if known else 1,
-        )
-        for b in blocks
-    ]
-    return items, blocks, ""
-
-
-def _forced(blocks) -> list:
-    return [REST] if blocks and blocks[0].name == REST else []
-
-
-def stream_room(module) -> Optional[int]:
-    """The fewest device bytes `module` can stream its blocks in (its rest, any block larger than the ring's buffers,
-    the ring); `None` when it cannot stream at all. A choice exists (`block_choice`) for any room at least this."""
-    items, blocks, _ = _items(module)
-    return None if items is None else least_room(items, depth=DEPTH, forced=_forced(blocks))
-
-
-def block_choice(module, room: int, uses: Optional[Dict[str, int]] = None) -> Tuple[Optional[BlockChoice], list, str]:
-    """`(choice, blocks, why not)`: how `module` streams within `room` bytes (`blocks.choice.choose_blocks` over its
-    blocks, its rest kept, each block weighed by `uses`, 1 if not given); the choice is `None` when it cannot stream,
-    and `why not` says why."""
-    items, blocks, why = _items(module, uses)
-    if items is None:
-        return None, blocks, why
-    forced = _forced(blocks)
-    choice = choose_blocks(items, room, depth=DEPTH, forced=forced)
-    if choice is None:
-        least = least_room(items, depth=DEPTH, forced=forced)
-        need, have = format_size(least), format_size(room)
-        if need == have:
-            need, have = f"{least:,} bytes", f"{room:,} bytes"
-        why = (
-            f"to stream it needs at least {need} on the device, for its rest, any block larger than the ring's "
-            f"buffers and a ring of {DEPTH + 1} buffers, and it has {have}"
-        )
-        return None, blocks, why
-    return choice, blocks, ""
-
-
-def _tensors(block):
-    return [(sub._parameters if is_param else sub._buffers)[key] for sub, is_param, key in block.slots]
-
-
-class StreamBytes(Mapping):
-    """The bytes each streaming component of `streams` holds on the device, its kept blocks and ring: what the
-    policy counts for it while it is resident (`Facts.streaming`), read live."""
-
-    def __init__(self, streams: "BlockStreams") -> None:
-        self._choices = streams.choices
-
-    def __getitem__(self, name: str) -> int:
-        return self._choices[name].device_bytes
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._choices)
-
-    def __len__(self) -> int:
-        return len(self._choices)
-
-
-class BlockStreams:
+class BlockStreams(StreamLessons):
     """The streaming components of one pipeline.
 
     Args:
@@ -138,17 +44,62 @@ class BlockStreams:
         self.learned: Dict[str, tuple] = {}  # name -> (block order, block uses) of its last stream
         self.this_call: Dict[str, tuple] = {}  # the same, learned in the call in progress
         self.said: Set[str] = set()  # components whose streaming (or failure to) was logged
+        self.plans: Dict[str, BlockChoice] = {}  # name -> its plan (`choices` shows the ring it holds now)
+        self.why: Dict[str, str] = {}  # name -> why it keeps what it keeps (the policy's words)
+        #: Whether a stream started now may take a ring smaller than `DEPTH + 1` buffers (an out-of-memory rung).
+        self.smaller_rings = False
+        #: `Facts.runs`: name -> use index in a call -> the blocks that use ran, as its streams learnt them.
+        self.runs: Dict[str, Dict[int, frozenset]] = {}
+        self._runs_this_call: Dict[str, Dict[int, frozenset]] = {}
         #: The bytes each streaming component holds on the device (`Facts.streaming`).
         self.held = StreamBytes(self)
+        #: The blocks each keeps and the ring it holds (`Facts.kept`).
+        self.kept = KeptFacts(self)
 
     def start(self, name: str, module, room: int, transfer, check: bool) -> Tuple[Optional[BlockChoice], str]:
         """Start streaming component `name` (`module`) within `room` bytes through `transfer` (`check`: fingerprint
         its kept blocks); `(choice, "")`, or `(None, why not)` with nothing changed. Its blocks are weighed by the uses
         they had the last time it streamed. A start that raises (out of device memory) leaves it not streaming."""
         order, uses = self.this_call.get(name) or self.learned.get(name, (None, {}))
-        choice, blocks, why = block_choice(module, room, uses)
+        choice, blocks, why = block_choice(module, room, uses, RECOVERY_DEPTHS if self.smaller_rings else (DEPTH,))
         if choice is None:
             return None, why
+        self._launch(name, module, blocks, choice, transfer, check, room)
+        return choice, ""
+
+    def keep(self, name: str, module, keep, transfer, check: bool, whole: bool = False) -> None:
+        """Component `name` (`module`) keeps the blocks `keep.blocks` (a `policies.Keep`) on the device from now on:
+        it starts streaming if it did not (its kept blocks copied), else its kept set changes in place
+        (`KeptSet.resize`); its ring is held or let go as `keep.ring` says. One on the device `whole` keeps those
+        blocks where they are (`adopt.py`)."""
+        streamer = self.active.get(name)
+        if streamer is None:
+            blocks = find_blocks(module)
+            choice = kept_choice(blocks, keep.blocks)
+            self._launch(name, module, blocks, choice, transfer, check, None, ring=keep.ring, whole=whole)
+        else:
+            choice = kept_choice(list(streamer.blocks.values()), keep.blocks)
+            if set(choice.kept) != {block.name for block in streamer.kept}:
+                streamer.resize(set(choice.kept), choice.slot_bytes, choice.slots, keep.ring)
+            elif keep.ring:
+                streamer.hold_ring()
+            else:
+                streamer.release_ring()
+            self.plans[name] = choice
+            self._sync(name)
+        self.why[name] = keep.why
+        if choice.streamed and name not in self.said:
+            self.said.add(name)
+            _announce(name, choice, keep.why)
+
+    def _sync(self, name: str) -> None:
+        """`choices[name]`: its plan, with the ring it holds now."""
+        streamer, plan = self.active[name], self.plans[name]
+        self.choices[name] = plan._replace(slots=plan.slots if streamer.ring is not None else 0)
+
+    def _launch(self, name, module, blocks, choice, transfer, check, room, ring: bool = True, whole=False) -> None:
+        """Start streaming `name` with plan `choice`; a start that raises leaves it not streaming."""
+        order, uses = self.this_call.get(name) or self.learned.get(name, (None, {}))
         if transfer.pinning is not None:
             transfer.pinning.prepare(module, type(module).__name__, transfer.device)
 
@@ -168,15 +119,20 @@ class BlockStreams:
             schedule=blocks_ahead,
             edits_between=lambda: not self.calls.in_call or self.calls.callbacks,
         )
-        self.active[name], self.choices[name], self.rooms[name] = streamer, choice, room
-        self.built[name] = transfer.entry(module).changes
+        streamer.holds_ring = ring
+        if whole:  # on the device already: its kept blocks stay where they are, the others go home
+            streamer.keeper.copies.update(adopt_whole(module, blocks, choice.kept, transfer, check, emit))
+        self.active[name], self.plans[name], self.built[name] = streamer, choice, transfer.entry(module).changes
+        if room is not None:
+            self.rooms[name] = room
         try:
             streamer.start()
         except BaseException:  # the device ran out of memory: the streamer undid its start, nothing streams
-            del self.active[name], self.choices[name], self.rooms[name], self.built[name]
+            for held in (self.active, self.plans, self.rooms, self.built):
+                held.pop(name, None)
             raise
+        self._sync(name)
         transfer.record(module, True)
-        return choice, ""
 
     def begin(self, name: str, module, overflow, transfer, check: bool) -> bool:
         """Run component `name`, larger than the room the budget leaves it (`overflow.limit`), block by block within
@@ -190,8 +146,8 @@ class BlockStreams:
                 logger.info(
                     f"`{name}` ({format_size(overflow.nbytes)}) does not fit in the room the memory budget leaves it "
                     f"({format_size(overflow.limit)}): it streams. {len(choice.kept)} of "
-                    f"{len(choice.kept) + len(choice.streamed)} blocks stay on the device ({format_size(choice.kept_bytes)}), "
-                    f"the others pass through {choice.slots} buffers of {format_size(choice.slot_bytes)} as they run."
+                    f"{len(choice.kept) + len(choice.streamed)} blocks stay on the device "
+                    f"({format_size(choice.kept_bytes)}), the others pass through {choice.slots} buffers of {format_size(choice.slot_bytes)} as they run."
                 )
             return True
         if not said:
@@ -211,11 +167,6 @@ class BlockStreams:
             self._learn(name, streamer)
             transfer.record(streamer.component, False)
 
-    def unlearn(self, name: str) -> None:
-        """What component `name`'s stream counted since its last call's end ran for another pipeline sharing it."""
-        streamer = self.active[name]
-        streamer.uses = dict.fromkeys(streamer.uses, 0)
-
     def abandon(self, name: str) -> None:
         """Component `name`'s weights were moved outside offload: stop streaming it where they are."""
         streamer = self.active.pop(name)
@@ -233,48 +184,29 @@ class BlockStreams:
         assigned: `entries`' change counts, which a size read does not reset)."""
         return [name for name in self.active if entries[name].changes != self.built[name]]
 
-    def replanned(self) -> list:
-        """The streams that, weighed by the uses their blocks had in this call, would keep other blocks (or size their
-        ring otherwise) within the room they were given: started without knowing their uses (a first call keeps the
-        VAE's encoder blocks for a decode). Stopped at the call's end, they start again with the better plan."""
-        stale = []
-        for name, streamer in self.active.items():
-            if any(streamer.uses.values()):
-                choice, _, _ = block_choice(streamer.component, self.rooms[name], dict(streamer.uses))
-                now = self.choices[name]
-                if choice is None or (set(choice.kept), choice.slot_bytes) != (set(now.kept), now.slot_bytes):
-                    stale.append(name)
-        return stale
-
-    def end_call(self, failed: bool) -> None:
-        """The call in progress ended: what its streams learned is the plan of the next calls, unless it `failed` (a
-        partial pass: blocks that did not run would weigh nothing). A stream that stays between calls learns what
-        this call ran and counts the next call's uses afresh."""
-        if not failed:
-            self.learned.update(self.this_call)
-            for name, streamer in self.active.items():
-                if any(streamer.uses.values()):
-                    self.learned[name] = (tuple(streamer.runs), dict(streamer.uses))
-        self.this_call.clear()
-        for streamer in self.active.values():
-            streamer.uses = dict.fromkeys(streamer.uses, 0)
-
-    def _learn(self, name: str, streamer: BlockStreamer) -> None:
-        self.choices.pop(name, None)
-        self.rooms.pop(name, None)
-        self.built.pop(name, None)
-        if any(streamer.uses.values()):
-            learned = self.this_call if self.calls.in_call else self.learned
-            learned[name] = (tuple(streamer.runs), dict(streamer.uses))
-
     def status(self, name: str) -> Optional[BlockStatus]:
         streamer, choice = self.active.get(name), self.choices.get(name)
         if streamer is None or choice is None:
             return None
         per_pass = sum(streamer.streamed[n].nbytes for n in streamer.order)
-        # On the device: the kept blocks at their own bytes (the choice weighs them at their sizes in a ring buffer,
-        # aligned), and the ring while it is allocated.
-        held = sum(block.nbytes for block in streamer.kept) + (
-            streamer.ring.nbytes if streamer.ring is not None else 0
+        ring = streamer.ring  # read live: a stream may let its ring go, and hold it again
+        ring_bytes, slots = (ring.nbytes, len(ring.buffers)) if ring is not None else (0, 0)
+        kept = sum(block.nbytes for block in streamer.kept)
+        return BlockStatus(
+            tuple(b.name for b in streamer.kept),
+            tuple(streamer.order),
+            ring_bytes,
+            slots,
+            kept + ring_bytes,
+            per_pass,
+            self.why.get(name, ""),
         )
-        return BlockStatus(tuple(choice.kept), tuple(streamer.order), choice.ring_bytes, choice.slots, held, per_pass)
+
+
+def _announce(name: str, choice: BlockChoice, why: str) -> None:
+    """One info line, the first time `name` keeps only some of its blocks."""
+    logger.info(
+        f"`{name}` keeps {len(choice.kept)} of {len(choice.kept) + len(choice.streamed)} blocks on the device "
+        f"({format_size(choice.kept_bytes)}) and the others pass through {choice.slots} buffers of "
+        f"{format_size(choice.slot_bytes)} as they run: it streams ({why})."
+    )

@@ -11,6 +11,7 @@ from ..models.bounds import MAX_GENERATIONS, MAX_STEPS, REPLAYED_GENERATIONS, fo
 from ..models.host import DEFAULT_DISK_BANDWIDTH
 from ..models.profiles import DEFAULT_PROFILE
 from ..models.request import DEFAULT_RESERVE, DEFAULT_VRAM
+from ..units import format_size
 from . import output, plan_details, plan_host
 
 HELP = "the offload call to use for a model on a card: whether it fits, bytes and seconds per image"
@@ -92,6 +93,12 @@ def add_parser(commands, common) -> None:
         help="replace a component by a diffusers/transformers class and its config.json (built on the meta device; "
         "a transformers class needs transformers installed); repeatable",
     )
+    p.add_argument(
+        "--optimum",
+        action="store_true",
+        help="also compute the block optimum, the least bytes of any block schedule (seconds of numpy), and the "
+        "budget row's ratio to it",
+    )
     p.set_defaults(handler=run)
 
 
@@ -142,7 +149,9 @@ def run(args) -> int:
     request.update(ram=args.ram, disk_bandwidth=args.disk_bandwidth)
     if not args.model:
         raise PlanError("plan needs --model (one of: " + ", ".join(shipped_models()) + ", or a spec path).", "--model")
-    result = plan(args.model, dtypes=args.dtype or (), components=args.component or (), **request)
+    result = plan(
+        args.model, dtypes=args.dtype or (), components=args.component or (), optimum=args.optimum, **request
+    )
     if args.json:
         output.emit_json(result)
     else:
@@ -180,7 +189,26 @@ def render(result: dict, columns: int, details: bool = False) -> List[str]:
     if summary["runner_up"] is not None:
         lines += [""] + _choice("Runner-up", summary["runner_up"], result, columns)
     lines += [""] + plan_host.short(result["host"], columns)
-    return lines + [""] + _footer(result, columns, details)
+    return lines + _block_optimum(result, columns) + [""] + _footer(result, columns, details)
+
+
+def _block_optimum(result: dict, columns: int) -> List[str]:
+    """`--optimum`: the least bytes of any block schedule, and the budget row's ratio to it."""
+    rows = (result.get("block_residency") or {}).get("rows") or {}
+    best, budget = rows.get("block_optimum"), rows.get("budget")
+    if best is None or budget is None or "to_block_optimum" not in budget:
+        return []
+    text = (
+        f"Block optimum (the least bytes of any block schedule, the whole call known in advance): "
+        f"{format_size(best['steady_generation_bytes'])} per later {_unit(result)}; the memory_budget row moves "
+        f"{budget['to_block_optimum']:.2f}x that"
+        + (
+            " (below 1: it keeps sets of blocks other than the optimum's, each component's largest first)."
+            if budget["to_block_optimum"] < 1
+            else "."
+        )
+    )
+    return [""] + output.wrap(text, columns, "  ")
 
 
 def _header(result: dict, columns: int) -> List[str]:

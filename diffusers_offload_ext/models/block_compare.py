@@ -12,7 +12,7 @@ not do this: it keeps whole components and streams only those that do not fit (o
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from ..blocks.choice import Item, choose_blocks
 from ..units import format_size
@@ -234,9 +234,25 @@ def comparison(loaded, request, call, moved: Mapping, optimum, items, denoisers,
     return rows
 
 
-def block_residency(loaded, request, call, plans: BlockPlans, moved: Mapping, budget: Optional[int]) -> dict:
+def optimum_entry(plans: BlockPlans, optimum, hooked) -> dict:
+    """The `optimum` entry of `block_residency`: the static block optimum's kept blocks and bytes."""
+    if optimum is None:
+        return {"available": False, "reason": "not even a ring of 3 of the smallest blocks fits"}
+    kept = {n: [key[1] for key in optimum.kept if key[0] == n] for n in hooked}
+    return dict(
+        available=True,
+        blocks={n: {"kept": kept[n], "of": len(plans.blocks(n))} for n in hooked},
+        **{f: getattr(optimum, f) for f in ("kept_bytes", "ring_bytes", "rest_bytes", "device_bytes")},
+        streamed_bytes_per_generation=optimum.streamed_bytes,
+    )
+
+
+def block_residency(
+    loaded, request, call, plans: BlockPlans, moved: Mapping, budget: Optional[int], exact: bool = False
+) -> dict:
     """The `block_residency` entry of a plan (see the module docstring); `budget` is the residency manager's
-    (`None` when the reserve leaves none)."""
+    (`None` when the reserve leaves none). With `exact`, also the block optimum's row (`block_optimum.py`: seconds
+    of numpy) and the budget row's ratio to it."""
     arranged = loaded.layout.arrange()
     sizes = loaded.sizes
     hooked = [n for n in arranged.hooked if n in sizes]
@@ -256,18 +272,13 @@ def block_residency(loaded, request, call, plans: BlockPlans, moved: Mapping, bu
         n: streaming_entry(plans, n, sizes[n], room, call.count(n), stays[n]) for n in hooked if sizes[n] > room
     }
     entry = {"needed": True, "budget_bytes": budget, "room_bytes": room, "streaming": streaming}
-    if optimum is None:
-        entry["optimum"] = {"available": False, "reason": "not even a ring of 3 of the smallest blocks fits"}
-    else:
-        kept = {n: [key[1] for key in optimum.kept if key[0] == n] for n in hooked}
-        entry["optimum"] = dict(
-            available=True,
-            blocks={n: {"kept": kept[n], "of": len(plans.blocks(n))} for n in hooked},
-            **{f: getattr(optimum, f) for f in ("kept_bytes", "ring_bytes", "rest_bytes", "device_bytes")},
-            streamed_bytes_per_generation=optimum.streamed_bytes,
-        )
+    entry["optimum"] = optimum_entry(plans, optimum, hooked)
     denoisers = [d for d in loaded.denoisers if d in hooked]
     entry["rows"] = comparison(loaded, request, call, moved, optimum, items, denoisers, budget, room)
+    if exact:
+        from .block_optimum import add_optimum
+
+        add_optimum(entry["rows"], plans, hooked, call, sizes, room, request.h2d_rate)
     forwards = sum(call.count(d) for d in denoisers)
     entry["assumptions"] = {
         "pinned_bytes_per_s": request.pinned_rate,

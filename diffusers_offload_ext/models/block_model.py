@@ -1,18 +1,12 @@
-"""Block residency in the planner: each component's block sizes (from a build on the meta device), the stream plan
-the runtime would make for a component within a room, and the residency manager's replay with its streams counted
-block by block.
+"""Block residency in the planner: each component's block sizes (from a build on the meta device), the stream plan of
+one component within a room, and the residency manager's replay told those blocks, as the runtime tells it.
 
-The residency manager answers `STREAM` for a component larger than the room it has (and for one that runs once
-beside the resident components, `Facts.stream_rooms`); `policies.replay_trace` books such a stream as one onload of
-the whole component. `replay_streaming` replays the same policy with the stream rooms the runtime would measure (the
-least room in which a plan of `policies.choose_blocks` exists: the component has repeated blocks, its rest and a ring
-fit) and books each stream as
-the runtime moves it: the plan's kept blocks once when the stream starts, and the streamed blocks at every use of the
-component while it streams (one pass per forward); as in the runtime, streams stop at every call's end unless
-components stay between calls (`keep_on_device_between_generations`), where a stream the policy keeps, counted at
-its kept blocks and ring, stays for the next call and its kept blocks are not copied again. Ring buffers
-are sized without the runtime's 256-byte alignment of each tensor (under 0.01 % at real sizes). Importing it needs no
-torch.
+`replay_streaming` replays the same policy the runtime drives (`policies.replay_trace`) with the blocks of every
+component that can stream (`Facts.blocks`): where the offloaded components do not all fit the budget, the policy
+decides block by block which blocks each keeps (`residency/blockwise.py`), and the replay books what the runtime
+moves: each newly kept block once, and at every use of a component keeping only some of its blocks, the blocks it
+streams; with `keep_on_device_between_generations`, what is kept stays for the next call. Ring buffers are sized
+without the runtime's 256-byte alignment of each tensor (under 0.01 % at real sizes). Importing it needs no torch.
 """
 
 from __future__ import annotations
@@ -20,11 +14,10 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
-from ..constants import END, OFFLOAD, ONLOAD, STREAM
 from ..blocks.choice import DEPTH, Item, BlockChoice, least_room, choose_blocks
-from ..policies import Decision, ReplayedMove, replay_trace
+from ..policies import replay_trace
 from .recorded import DATA_DIR, config_key
 from .sizes import component_bytes, parse_dtype
 from .specs import load_spec, override_component
@@ -145,81 +138,24 @@ class BlockPlans:
         """`Facts.stream_rooms` of `names`, as the runtime measures them (`least_room`)."""
         return {name: room for name in names if (room := self.least_room(name)) is not None}
 
-
-class RuntimeStreams:
-    """`policy` as the runtime drives it when components stream: told the bytes each streaming component holds on
-    the device (its plan's kept blocks and ring, `Facts.streaming`), which count in place of its size while it is
-    resident. At a call's end, without `keep_between`, every streaming component stops (is offloaded) before the
-    policy chooses what stays, among whole components; with it, the policy chooses among everything resident, and a
-    stream it keeps stays for the next call (`Session.end_of_call`). Everything else is `policy`'s own answer."""
-
-    def __init__(self, policy, plans: BlockPlans) -> None:
-        self.policy, self.calls, self.plans = policy, policy.calls, plans
-        self.streaming: Dict[str, int] = {}  # name -> bytes on the device of the plan it streams with
-
-    def _facts(self, facts):
-        return facts._replace(streaming=dict(self.streaming))
-
-    def _seen(self, decision: Decision) -> Decision:
-        for direction, name in decision.moves:
-            plan = self.plans.plan(name, decision.overflow.limit) if direction == STREAM else None
-            if plan is not None:
-                self.streaming[name] = plan.device_bytes
-            else:
-                self.streaming.pop(name, None)  # moved whole (a stream without a plan is loaded whole)
-        return decision
-
-    def on_enable(self, resident, facts) -> Decision:
-        return self._seen(self.policy.on_enable(resident, self._facts(facts)))
-
-    def on_call_start(self, calls) -> Decision:
-        return self._seen(self.policy.on_call_start(calls))
-
-    def on_use(self, name, resident, facts) -> Decision:
-        return self._seen(self.policy.on_use(name, resident, self._facts(facts)))
-
-    def on_call_end(self, resident, facts) -> Decision:
-        if getattr(self.policy, "keep_between", False):
-            return self._seen(self.policy.on_call_end(resident, self._facts(facts)))
-        stopped = [(OFFLOAD, name) for name in sorted(self.streaming)]
-        self.streaming.clear()
-        decision = self.policy.on_call_end(set(resident) - {name for _, name in stopped}, self._facts(facts))
-        return self._seen(Decision.of(stopped + list(decision.moves), decision.overflow))
+    def facts(self, names) -> Dict[str, Tuple[Item, ...]]:
+        """`Facts.blocks` of `names`: the blocks of each one that can stream (its rest first), each run once per use,
+        its ring slot its bytes (the runtime aligns each tensor of a slot to 256 bytes: under 0.01 % at real
+        sizes)."""
+        found = {}
+        for name in names:
+            blocks = self.blocks(name)
+            if any(block != REST for block in blocks):
+                found[name] = tuple(Item(block, nbytes, 1) for block, nbytes in blocks.items())
+        return found
 
 
 def replay_streaming(policy, trace: Sequence[str], sizes: Mapping[str, int], plans: BlockPlans, *, zero_copy: bool):
-    """`(moves, peak)` of `policy` over `trace` (see `policies.replay_trace`) with streams booked block by block:
-    a stream's onload is its kept blocks, each use of a streaming component adds one pass of its streamed blocks
-    (a move of kind `STREAM`), and the peak counts a streaming component at its kept blocks and ring. A component
-    that cannot stream is loaded whole, and a streaming one stops at the call's end unless components stay between
-    calls and the policy keeps it, as the runtime does."""
-    decisions = []
+    """`(moves, peak)` of `policy` over `trace` (see `policies.replay_trace`) told the blocks of every component that
+    can stream (`BlockPlans.facts`), as the runtime tells it: a residency policy then decides block by block when the
+    components do not all fit its budget, and each use of a component keeping only some of its blocks books the
+    blocks it streams (a move of kind `STREAM`); the peak counts its kept blocks and ring."""
     result = replay_trace(
-        RuntimeStreams(policy, plans),
-        trace,
-        sizes,
-        zero_copy=zero_copy,
-        stream_rooms=plans.rooms(sizes),
-        check=lambda event, resident, decision: decisions.append((event, decision)),
+        policy, trace, sizes, zero_copy=zero_copy, stream_rooms=plans.rooms(sizes), blocks=plans.facts(sizes)
     )
-    moves, held, streaming, peak, calls = iter(result.moves), {}, {}, 0, 0
-    booked: List[ReplayedMove] = []
-    for event, decision in decisions:
-        for direction, name in decision.moves:
-            move = next(moves)
-            plan = plans.plan(name, decision.overflow.limit) if direction == STREAM else None
-            if plan is not None:
-                streaming[name], held[name] = plan, plan.device_bytes
-                move = move._replace(nbytes=plan.kept_bytes)
-            elif move.direction == ONLOAD:
-                held[name] = sizes[name]
-            else:
-                held.pop(name, None)
-                stopped = streaming.pop(name, None)
-                move = move._replace(nbytes=stopped.kept_bytes) if stopped is not None else move
-            booked.append(move)
-        if event in streaming:
-            booked.append(ReplayedMove(ONLOAD, event, streaming[event].streamed_bytes, STREAM, calls))
-        calls += event == END
-        peak = max(peak, sum(held.values()))
-    return booked, peak
+    return result.moves, result.peak

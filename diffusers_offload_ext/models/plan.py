@@ -38,6 +38,7 @@ def plan(
     profile: Optional[str] = None,
     ram: Optional[Union[str, int]] = None,
     disk_bandwidth: Optional[Union[str, int]] = None,
+    optimum: bool = False,
 ) -> dict:
     """Predicted transfers of each offload strategy for `model` on a card, and the call to use.
 
@@ -64,6 +65,9 @@ def plan(
         activations (`str` or `int`, *optional*): The activations of the call, when known (measured: the runtime
             reports them in `doe.offload_status(pipe).learnt`): the reserve is then them and a margin, as the runtime
             leaves once it has seen a call of that shape, instead of `reserve`.
+        optimum (`bool`, defaults to `False`): Also compute the block optimum (`models.block_optimum`: the least bytes
+            of any block schedule, exact over each component's blocks kept largest first; seconds of numpy), its row
+            in `block_residency` and the budget row's ratio to it (`to_block_optimum`).
         height, width, frames (`int`, *optional*): The call's size (frames: video models), which sizes the estimated
             activations; default to the model's.
         profile (`str`, *optional*): The rate profile that prices seconds: a shipped name
@@ -109,10 +113,12 @@ def plan(
     spec = load_spec(model)
     request = complete(request, spec)
     loaded = load_model(spec["path"] if not spec["shipped"] else spec["name"], dtypes, components)
-    return _plan(loaded, spec, request, components, host)
+    return _plan(loaded, spec, request, components, host, optimum)
 
 
-def _plan(loaded: Model, spec: dict, request: Request, components: Sequence[str], host: tuple) -> dict:
+def _plan(
+    loaded: Model, spec: dict, request: Request, components: Sequence[str], host: tuple, optimum: bool = False
+) -> dict:
     call = loaded.call_trace(request.steps, request.preview)
     plans = BlockPlans(spec["path"] if not spec["shipped"] else spec["name"], _dtypes(loaded), components)
     entries, moved = {}, {}
@@ -132,7 +138,7 @@ def _plan(loaded: Model, spec: dict, request: Request, components: Sequence[str]
     recommended = recommend(entries, loaded, request, notes)
     result = _result(loaded, request, call, entries, recommended, notes)
     budget = strategies["residency"].budget if "residency" in strategies else None
-    result["block_residency"] = block_residency(loaded, request, call, plans, moved, budget)
+    result["block_residency"] = block_residency(loaded, request, call, plans, moved, budget, optimum)
     result["summary"] = summary(result)
     result["host"] = host_entry(result, call, host)
     return result

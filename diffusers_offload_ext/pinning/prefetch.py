@@ -11,6 +11,7 @@ from ..constants import END, PREFETCH
 from ..policies.base import Decision, Facts, apply
 from ..policies.chain import ChainPolicy
 from ..blocks.kept_streams import held_bytes
+from ..residency.blockwise import block_mode, held_after
 from ..residency.policy import ResidencyPolicy
 
 
@@ -19,7 +20,9 @@ class PrefetchPolicy(ResidencyPolicy):
     previous call, if it is offloaded, not on the device, and fits within the limit with everything on the device
     after this use. It is counted against the budget from then on, like any resident component.
 
-    Which components move is unchanged when the prediction holds: the prefetched component would have been onloaded
+    Block by block (`residency/blockwise.py`: the budget binds), the next component is prefetched whole where it
+    fits beside the blocks the decision keeps; it is then whole on the device (it stays whole or leaves, as any
+    component loaded whole). Which components move is unchanged when the prediction holds: the prefetched component would have been onloaded
     at its use without an eviction (it is the very next component to run, and it fits). When the call departs from
     the previous one, a prefetched component may be evicted unused: bytes that stock would not have moved. A first
     call has no prediction and prefetches nothing.
@@ -44,10 +47,14 @@ class PrefetchPolicy(ResidencyPolicy):
         # The room is read from what is on the device now (the free memory read does not know of this use's onload
         # yet); the bytes that must fit are those after this use's moves, and the prefetched component.
         limit = self._limit(resident, facts, name)
-        if limit is not None and need + sum(held_bytes(self, n, facts) for n in self.offloaded if n in after) > limit:
+        if block_mode(self, facts):  # what the decision leaves: kept blocks (the running one's ring too)
+            held = held_after(self, name, decision, after, facts)
+        else:
+            held = sum(held_bytes(self, n, facts) for n in self.offloaded if n in after)
+        if limit is not None and need + held > limit:
             return decision
         self.shadow.count(onloaded=need)
-        return Decision.of(decision.moves + ((PREFETCH, following),), decision.overflow)
+        return Decision.of(decision.moves + ((PREFETCH, following),), decision.overflow, decision.kept)
 
     def _following(self, name: str) -> Optional[str]:
         """The first component other than `name` the rest of this call is predicted to run; `None` if none."""

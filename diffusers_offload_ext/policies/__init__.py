@@ -1,6 +1,6 @@
 """Policies: which component moves when. Pure Python: no torch device, no hook, no runtime."""
 
-from .base import NOTHING, Decision, Facts, Move, Overflow, Policy, apply
+from .base import NOTHING, Decision, Facts, Keep, Move, Overflow, Policy, apply
 from .chain import ChainPolicy
 from .replay import Replay, ReplayedMove, replay, replay_trace
 
@@ -9,6 +9,7 @@ __all__ = [
     "ChainPolicy",
     "Decision",
     "Facts",
+    "Keep",
     "Move",
     "Overflow",
     "Policy",

@@ -13,12 +13,23 @@ from __future__ import annotations
 
 from typing import AbstractSet, Callable, FrozenSet, Mapping, NamedTuple, Optional, Tuple
 
-from ..constants import OFFLOAD, ONLOAD, PREFETCH, STREAM
+from ..constants import KEEP, OFFLOAD, ONLOAD, PREFETCH, STREAM
 from ..recovery.rungs import next_rung
 
-#: `(direction, component)`: one move, `direction` being `ONLOAD`, `OFFLOAD`, `PREFETCH` (an onload ahead of use) or
-#: `STREAM` (the component runs block by block within the room left).
+#: `(direction, component)`: one move, `direction` being `ONLOAD`, `OFFLOAD`, `PREFETCH` (an onload ahead of use),
+#: `STREAM` (the component runs block by block within the room left) or `KEEP` (it keeps the blocks its
+#: `Decision.kept` entry names).
 Move = Tuple[str, str]
+
+
+class Keep(NamedTuple):
+    """What a `KEEP` move asks of one component: the `blocks` it keeps on the device (never empty: a component that
+    keeps none is offloaded), whether its `ring` of device buffers is held (for its other blocks, while it runs), and
+    `why`, in words (what `doe.offload_status` and the trace show)."""
+
+    blocks: FrozenSet[str]
+    ring: bool
+    why: str = ""
 
 
 class Overflow(NamedTuple):
@@ -32,14 +43,16 @@ class Overflow(NamedTuple):
 
 
 class Decision(NamedTuple):
-    """What a policy wants done: `moves` in order, and an `overflow` to warn about (or `None`)."""
+    """What a policy wants done: `moves` in order, an `overflow` to warn about (or `None`), and for each `KEEP` move
+    the blocks the component keeps (`kept`)."""
 
     moves: Tuple[Move, ...] = ()
     overflow: Optional[Overflow] = None
+    kept: Optional[Mapping[str, Keep]] = None
 
     @classmethod
-    def of(cls, moves, overflow: Optional[Overflow] = None) -> "Decision":
-        return cls(tuple(moves), overflow)
+    def of(cls, moves, overflow: Optional[Overflow] = None, kept: Optional[Mapping[str, Keep]] = None) -> "Decision":
+        return cls(tuple(moves), overflow, dict(kept) if kept else None)
 
 
 NOTHING = Decision()
@@ -58,12 +71,23 @@ class Facts(NamedTuple):
         streaming (`Mapping[str, int]`, *optional*): The components streaming their blocks now and the bytes each
             holds on the device (its kept blocks and ring), which count in place of its size while it is resident
             (with `keep_on_device_between_generations`, also between calls). `None` or absent: its size counts.
+        blocks (`Mapping[str, Tuple[Item, ...]]`, *optional*): The blocks of each component that can stream
+            (`blocks.choice.Item`: its key, bytes kept, uses and ring slot; the rest, `"<rest>"`, first). With them a
+            residency policy decides block by block (`residency/blockwise.py`). `None`: component by component.
+        kept (`Mapping[str, Tuple[FrozenSet[str], int]]`, *optional*): For each component streaming its blocks now,
+            the blocks it keeps on the device and the bytes of its ring (0 when its ring is not held).
+        runs (`Mapping[str, Mapping[int, FrozenSet[str]]]`, *optional*): For a component whose uses run different
+            blocks (a VAE's encode and decode), the blocks each use of it in a call ran (by its index in the call),
+            as learnt by its last stream; absent: every use runs the blocks `blocks` marks as run.
     """
 
     sizes: Mapping[str, int]
     capacity: Optional[Callable[[int], Optional[int]]] = None
     stream_rooms: Optional[Mapping[str, int]] = None
     streaming: Optional[Mapping[str, int]] = None
+    blocks: Optional[Mapping[str, tuple]] = None
+    kept: Optional[Mapping[str, tuple]] = None
+    runs: Optional[Mapping[str, Mapping[int, FrozenSet[str]]]] = None
 
 
 class Policy:
@@ -131,7 +155,7 @@ class Policy:
 def apply(moves, resident: set) -> None:
     """Update `resident` as if `moves` had been carried out."""
     for direction, name in moves:
-        if direction in (ONLOAD, PREFETCH, STREAM):
+        if direction in (ONLOAD, PREFETCH, STREAM, KEEP):
             resident.add(name)
         else:
             resident.discard(name)

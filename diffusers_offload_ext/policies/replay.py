@@ -10,18 +10,9 @@ from __future__ import annotations
 from typing import Callable, Iterable, List, Mapping, NamedTuple, Optional, Set, Tuple
 
 from ..calls import CallTracker
-from ..constants import COPY, DROP, END, OFFLOAD, ONLOAD, PREFETCH, STREAM
+from ..constants import COPY, END, ONLOAD, STREAM
 from .base import Decision, Facts
-
-
-class ReplayedMove(NamedTuple):
-    """One move of a replay, like a ledger record: `call` is `None` for moves made when offload was armed."""
-
-    direction: str
-    component: str
-    nbytes: int
-    kind: str
-    call: Optional[int]
+from .replay_book import ReplayBook, ReplayedMove
 
 
 class Replay(NamedTuple):
@@ -41,8 +32,8 @@ class Replay(NamedTuple):
 
     @property
     def copied(self) -> int:
-        """Bytes that crossed the bus in all."""
-        return sum(m.nbytes for m in self.moves if m.kind == COPY)
+        """Bytes that crossed the bus in all (streamed blocks included)."""
+        return sum(m.nbytes for m in self.moves if m.kind in (COPY, STREAM))
 
     @property
     def onloaded(self) -> int:
@@ -63,6 +54,8 @@ def replay_trace(
     resident: Optional[Iterable[str]] = None,
     check: Optional[Callable[[Optional[str], Set[str], Decision], None]] = None,
     stream_rooms: Optional[Mapping[str, int]] = None,
+    blocks: Optional[Mapping[str, tuple]] = None,
+    runs: Optional[Mapping[str, Iterable[str]]] = None,
 ) -> Replay:
     """Replay `trace` (component names, `END` after each call) through `policy`.
 
@@ -75,36 +68,53 @@ def replay_trace(
         resident (`Iterable[str]`, *optional*): Components on the device before the trace. When not given, the trace
             starts with offload being armed on an all-on-host pipeline, and that arm's moves are counted.
         stream_rooms (`Mapping[str, int]`, *optional*): The fewest bytes each component can stream its blocks in
-            (`Facts.stream_rooms`; the runtime measures them with `blocks.streams.stream_room`). A stream is
-            modelled as an onload of the whole component, exact for a component that runs once while it streams (a
-            text encoder); a denoiser streamed at every step moves more.
+            (`Facts.stream_rooms`; the runtime measures them with `blocks.streams.stream_room`). A `STREAM` move is
+            modelled as an onload of the whole component, exact for a component that runs once while it streams (a text
+            encoder); a denoiser streamed at every step moves more.
+        blocks (`Mapping[str, tuple]`, *optional*): The blocks of each component that can stream (`Facts.blocks`):
+            a residency policy then decides block by block (`KEEP` moves), booked as the runtime moves them: each
+            newly kept block copied once, each dropped one released, and at every use of a component that keeps
+            only some of its blocks, the blocks it runs and does not keep (a move of kind `STREAM`).
+        runs (`Mapping`, *optional*): The blocks a use of a component runs, where not all do: for each component,
+            the blocks every use runs (a VAE that only decodes runs no encoder block), or a mapping from the index of
+            the use in its call to the blocks it runs (an image-to-image VAE encodes, then decodes). As the runtime
+            learns it, the policy is told so (`Item.uses`, `Facts.runs`) from the end of the first call in which the
+            component ran keeping its blocks.
         check (`Callable`, *optional*): Called after every event with the event (`None` for arming, a component name
             or `END`), the resident set after it, and the decision (tests check invariants with it).
 
     Returns:
-        `Replay`: the moves, bytes per call, and the peak.
+        `Replay`: the moves, bytes per call, and the peak (a component keeping some blocks counted at them and its
+        ring while held).
     """
     calls = policy.calls if policy.calls is not None else CallTracker()
-    facts = Facts(sizes, stream_rooms=stream_rooms)
-    on_device: Set[str] = set(resident or ())
-    moves: List[ReplayedMove] = []
-    per_call: List[int] = []
-    peak = [sum(sizes[n] for n in on_device)]
+    book = ReplayBook(sizes, blocks, zero_copy, calls, runs)
+    on_device, moves, per_call = book.on_device, book.moves, book.per_call
+    on_device.update(resident or ())
+    peak = [book.held()]
+
+    def facts() -> Facts:
+        blocks_known, runs_known = book.facts()
+        return Facts(
+            sizes,
+            stream_rooms=stream_rooms,
+            streaming=book.streaming(),
+            blocks=blocks_known,
+            kept=book.kept_facts(),
+            runs=runs_known,
+        )
 
     def run(decision, event) -> None:
         for direction, name in decision.moves:
-            kind = DROP if direction == OFFLOAD and zero_copy else COPY
-            direction = ONLOAD if direction in (PREFETCH, STREAM) else direction  # a stream: modelled as an onload
-            moves.append(ReplayedMove(direction, name, sizes[name], kind, calls.index))
-            (on_device.add if direction == ONLOAD else on_device.discard)(name)
-            if kind == COPY and calls.index is not None:
-                per_call[calls.index] += sizes[name]
-        peak[0] = max(peak[0], sum(sizes[n] for n in on_device))
+            book.move(direction, name, (decision.kept or {}).get(name))
+        if event is not None and event != END:
+            book.passed(event)
+        peak[0] = max(peak[0], book.held())
         if check is not None:
             check(event, set(on_device), decision)
 
     if resident is None:
-        run(policy.on_enable(on_device, facts), None)
+        run(policy.on_enable(set(on_device), facts()), None)
     setup = sum(m.nbytes for m in moves if m.kind == COPY)
     for event in trace:
         if not calls.in_call:
@@ -113,11 +123,12 @@ def replay_trace(
             run(policy.on_call_start(calls), None)
         if event == END:
             calls.end_trace()
-            run(policy.on_call_end(on_device, facts), END)
+            book.learn()
+            run(policy.on_call_end(set(on_device), facts()), END)
             calls.end()
         else:
             calls.use(event)
-            run(policy.on_use(event, on_device, facts), event)
+            run(policy.on_use(event, set(on_device), facts()), event)
     return Replay(moves, setup, per_call, peak[0])
 
 

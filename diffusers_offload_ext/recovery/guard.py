@@ -28,7 +28,7 @@ from ..runtime import sharing
 from ..runtime.compiler import eager, frame_callback, own_frame_skipped
 from ..runtime.inputs import snapshot
 from .activations import describe
-from ..blocks.streams import stream_room
+from ..blocks.streams import RECOVERY_DEPTHS, stream_room
 from .retries import not_retried
 
 logger = logging.get_logger(f"diffusers.{__name__}")
@@ -275,7 +275,10 @@ def rung(session, name: str, smallest: Optional[int]) -> Decision:
     choice = session.streams.choices.get(name)
     held = choice.device_bytes if choice is not None else session.facts.sizes[name]
     held = held if smallest is None else min(held, smallest)
-    least = session.placement.stream_rooms.get(name) or stream_room(session.modules[name])
+    module = session.modules[name]
+    least = session.placement.stream_rooms.get(name) or stream_room(module)
+    if least is not None:  # then with smaller rings (`blocks.streams.RECOVERY_DEPTHS`)
+        least = (least,) + tuple(stream_room(module, depth) for depth in RECOVERY_DEPTHS[1:])
     return session.policy.on_out_of_memory(name, session.resident, session.facts, running_names(session), held, least)
 
 
@@ -295,6 +298,8 @@ def make_room(session, name: str, decision: Decision, smallest: Optional[int]) -
     if choice is None:
         return f"could not stream `{name}` in {format_size(room)}", room
     blocks = f"{len(choice.kept)} of {len(choice.kept) + len(choice.streamed)} blocks kept"
+    if choice.streamed and choice.slots < RECOVERY_DEPTHS[0] + 1:
+        blocks += f", a ring of {choice.slots} buffer{'s' if choice.slots > 1 else ''}"
     return f"streamed `{name}` in {format_size(room)} ({blocks})", room
 
 

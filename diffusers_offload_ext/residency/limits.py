@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import AbstractSet, Callable, Dict, Optional
 
 from ..constants import OFFLOAD, STREAM
-from ..policies.base import NOTHING, Decision, Overflow
+from ..policies.base import NOTHING, Decision, Facts, Overflow
 from ..blocks.kept_streams import held_bytes
 
 
@@ -31,6 +31,19 @@ class ComponentLimits:
         stays_bytes = sum(self.sizes[n] for n in self.stays if n in self.sizes)
         own = max(self.limits[name] - stays_bytes, (facts.stream_rooms or {}).get(name, 0))
         return own if limit is None else min(limit, own)
+
+    def _limit(self, resident: AbstractSet[str], facts: Facts, name: Optional[str] = None) -> Optional[int]:
+        """The most bytes of offloaded weights while `name` runs: its limit, and where free memory is read, what the
+        device can hold now beside what never leaves it."""
+        limit = self.within_own(self.avail, name, facts)
+        if facts.capacity is not None:
+            stays_bytes = sum(self.sizes[n] for n in self.stays if n in self.sizes)
+            held = stays_bytes + sum(held_bytes(self, n, facts) for n in self.offloaded if n in resident)
+            capacity = facts.capacity(held)
+            if capacity is not None:
+                room = max(int(capacity) - stays_bytes, 0)
+                limit = room if limit is None else min(limit, room)
+        return limit
 
     def noting(self, decision: Decision) -> Decision:
         """`decision`, after noting which components it streams (in this call: streams stop at every call's end)."""

@@ -67,8 +67,11 @@ class Universe:
             best = [min(best[m], best[m ^ b]) if m & b else best[m] for m in range(full)]
         return [best[m | bit] if m & bit else best[m | bit] + size for m in range(full)]
 
-    def backward(self, events: Sequence[str], terminal: List[float], keep_between: bool) -> List[List[float]]:
-        """`tables[k][mask]`: least future bytes before `events[k]` when `mask` is resident; `tables[-1]` = terminal."""
+    def backward(
+        self, events: Sequence[str], terminal: List[float], keep_between: bool, done: Sequence[str] = ()
+    ) -> List[List[float]]:
+        """`tables[k][mask]`: least future bytes before `events[k]` when `mask` is resident; `tables[-1]` = terminal.
+        (`done`, the uses of the call in progress before them, matters to blocks only: `block_tables.py`.)"""
         tables: List[List[float]] = [terminal] * (len(events) + 1)
         values = terminal
         for k in range(len(events) - 1, -1, -1):

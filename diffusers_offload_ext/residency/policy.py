@@ -27,6 +27,10 @@ from .forecast import Forecaster
 from ..blocks.kept_streams import around_streams, carry, held_bytes, staying
 from .limits import ComponentLimits
 from .shadow import StockShadow
+from .blockwise import block_mode, use_in_blocks
+
+#: Block value tables kept per pipeline (each is larger than a component table).
+BLOCK_TABLES = 4
 
 #: Up to this many offloaded components the eviction choice is exact (2**n resident sets); above, a greedy rule.
 MAX_EXACT = 8
@@ -99,6 +103,8 @@ class ResidencyPolicy(ComponentLimits, Policy):
         self.dynamic_capacity = bool(dynamic_capacity)
         self.limits = {name: int(nbytes) for name, nbytes in (limits or {}).items()}
         self.forecaster = Forecaster(None, self.keep_between, cache if cache is not None else {})
+        #: The forecast over blocks, when decisions are made block by block (`blockwise.py`) and they are few.
+        self.block_forecaster = Forecaster(None, self.keep_between, {}, BLOCK_TABLES)
         self._resize()
         self.shadow = StockShadow(self.chain, self.hooked, self.zero_copy)
         self._version = self.calls.version
@@ -134,6 +140,9 @@ class ResidencyPolicy(ComponentLimits, Policy):
 
     def on_use(self, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
         self._advance(name)
+        if name in self.hooked and block_mode(self, facts):
+            # A stream an out-of-memory recovery started stays as it is for the rest of the call (as run again now).
+            return NOTHING if self.is_streaming(name) else use_in_blocks(self, name, resident, facts)
         if name in self.beside and name in resident:  # the prediction was wrong
             return load_again(self, name, resident, facts)
         carry(self, name, resident)
@@ -184,6 +193,7 @@ class ResidencyPolicy(ComponentLimits, Policy):
         self._uses_since_arm = 0
         self._version = self.calls.version
         self.forecaster.end_call(self.model, self._decisions_possible())
+        self.block_forecaster.end_call(self.model, True)
         return self._arm(resident, facts)
 
     def on_shared_load(self, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
@@ -209,6 +219,7 @@ class ResidencyPolicy(ComponentLimits, Policy):
         self._uses_since_arm += 1
         self.shadow.use(name, self.sizes, self.avail)
         self.forecaster.advance(name)
+        self.block_forecaster.advance(name)
 
     def _decisions_possible(self) -> bool:
         fits = self.avail is None or sum(self.sizes[n] for n in self.offloaded) <= self.avail
@@ -216,6 +227,7 @@ class ResidencyPolicy(ComponentLimits, Policy):
 
     def _start_forecast(self) -> None:
         self.forecaster.start(self.model, self._decisions_possible())
+        self.block_forecaster.start(self.model, True)
 
     def _resize(self) -> None:
         stays_bytes = sum(self.sizes[n] for n in self.stays if n in self.sizes)
@@ -230,17 +242,6 @@ class ResidencyPolicy(ComponentLimits, Policy):
         if changed:
             self.sizes.update({n: int(facts.sizes[n]) for n in changed})
             self._resize()
-
-    def _limit(self, resident: AbstractSet[str], facts: Facts, name: Optional[str] = None) -> Optional[int]:
-        limit = self.within_own(self.avail, name, facts)
-        if facts.capacity is not None:
-            stays_bytes = sum(self.sizes[n] for n in self.stays if n in self.sizes)
-            held = stays_bytes + sum(held_bytes(self, n, facts) for n in self.offloaded if n in resident)
-            capacity = facts.capacity(held)
-            if capacity is not None:
-                room = max(int(capacity) - stays_bytes, 0)
-                limit = room if limit is None else min(limit, room)
-        return limit
 
 
 def shared_load(policy: ResidencyPolicy, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:

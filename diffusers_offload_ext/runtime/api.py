@@ -11,7 +11,7 @@ from ..marks import get_session, host_side
 from ..constants import OFFLOAD
 from ..transfer import ON_DEVICE
 from ..recovery.activations import LearntShape
-from ..blocks.streams import BlockStatus
+from ..blocks.status import BlockStatus
 from . import status_text
 from .fast_paths import FastPaths
 from .session import session_of
@@ -268,7 +268,8 @@ def _component(session, name: str, evicted: Optional[str] = None) -> ComponentSt
         host_copy=entry.host_copy is not None,
         pinned_bytes=session.transfer.pinning.bytes_of(module) if session.transfer.pinning is not None else 0,
         blocks=blocks,
-        why=status_text.why(role, resident, blocks is not None, session.options.residency, evicted),
+        why=(blocks.why if blocks is not None and blocks.why else None)
+        or status_text.why(role, resident, blocks is not None, session.options.residency, evicted),
     )
 
 

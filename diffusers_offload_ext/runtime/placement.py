@@ -15,7 +15,8 @@ from diffusers.utils import logging
 from ..transfer import ELSEWHERE, MIXED, ON_DEVICE, ON_HOST, Entry, Transfer
 from ..blocks.streamer import intact
 from . import sharing
-from ..blocks.streams import BlockStreams, stream_room
+from ..blocks.find import REST
+from ..blocks.streams import BlockStreams, block_items, stream_room
 
 logger = logging.get_logger(f"diffusers.{__name__}")
 
@@ -39,6 +40,28 @@ class Sizes(Mapping):
         return len(self._placement.entries)
 
 
+class BlockFacts(Mapping):
+    """`Facts.blocks` of a placement: the blocks of each component that can stream (measured with its stream room),
+    each marked as run or not by what its last stream learned."""
+
+    def __init__(self, placement: "Placement") -> None:
+        self._placement = placement
+
+    def __getitem__(self, name: str) -> tuple:
+        items = self._placement.block_items[name]
+        uses = self._placement.streams.learned.get(name, (None, {}))[1]
+        if not uses or not any(uses.values()):
+            return items
+        # The rest runs whenever the component does (a VAE's `decode` calls no `forward` its count would see).
+        return tuple(item._replace(uses=int(item.key == REST or uses.get(item.key, 0) > 0)) for item in items)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._placement.block_items)
+
+    def __len__(self) -> int:
+        return len(self._placement.block_items)
+
+
 class Placement:
     """The armed components of one pipeline and where they are.
 
@@ -55,6 +78,7 @@ class Placement:
         streams (`BlockStreams`): The components that stream their blocks (larger than the room left them).
         stream_rooms (`Dict[str, int]`): The fewest device bytes each component can stream in (a fact for the policy,
             measured when armed and again when the component's size changes; absent: it cannot stream).
+        block_facts (`BlockFacts`): Its blocks (`Facts.blocks`), measured with its stream room.
         fixed (`Dict[str, torch.nn.Module]`): The components that cannot move (`layout.fixed_of`): never moved, held
             for `offload_status` and the budget.
     """
@@ -68,6 +92,9 @@ class Placement:
         self.readable = False
         self.streams = BlockStreams(recorder, calls)
         self.stream_rooms: Dict[str, int] = {}
+        self.block_items: Dict[str, tuple] = {}  # the blocks of each component that can stream (`block_facts`)
+        #: `Facts.blocks`: those blocks, marked as run or not by their last stream.
+        self.block_facts = BlockFacts(self)
         self._rooms_at: Dict[str, int] = {}  # each component's bytes when its stream room was measured
         self._names: Dict[int, str] = {}
         self._shared: FrozenSet[str] = frozenset()
@@ -142,14 +169,18 @@ class Placement:
         """The stream rooms of `names`; with none, none is known (the policy then never streams beside others)."""
         if not names:
             self.stream_rooms.clear()
+            self.block_items.clear()
             self._rooms_at.clear()
         for name in names:
             room = stream_room(self.modules[name])
             self._rooms_at[name] = self.entries[name].nbytes
-            if room is None:
+            items = block_items(self.modules[name]) if room is not None else None
+            if room is None or items is None:
                 self.stream_rooms.pop(name, None)
+                self.block_items.pop(name, None)
             else:
                 self.stream_rooms[name] = room
+                self.block_items[name] = items
 
     def stream_room_stale(self, name: str) -> bool:
         """Component `name` changed size since its stream room was measured."""

@@ -11,7 +11,7 @@ import torch
 from diffusers.utils import logging
 
 from ..calls import CallTracker
-from ..constants import ARMING, END_OF_CALL, OFFLOAD, ONLOAD, OUT_OF_MEMORY, PREFETCH, STREAM
+from ..constants import ARMING, END_OF_CALL, KEEP, OFFLOAD, ONLOAD, OUT_OF_MEMORY, PREFETCH, STREAM
 from ..ledger import Recorder
 from ..marks import SESSION_ATTR, get_session
 from ..pinning import store as pinned
@@ -22,6 +22,7 @@ from . import sharing
 from .exclusion import Exclusion
 from .options import OffloadOptions
 from .placement import Placement, Sizes
+from .stream_moves import keep
 
 logger = logging.get_logger(f"diffusers.{__name__}")
 
@@ -46,7 +47,7 @@ class Session:
         self.transfer: Optional[Transfer] = None
         self.policy: Optional[Policy] = None
         self.placement = Placement(self.recorder, self.calls)
-        self.facts = Facts(Sizes(self.placement, None), None, self.placement.stream_rooms, self.streams.held)
+        self.facts = _facts(self.placement)
         self.hooks: Dict[str, object] = {}
         self.exclusion = Exclusion()
         self.forecasts: dict = {}  # the residency policies' value tables, kept across this pipeline's policies
@@ -133,7 +134,12 @@ class Session:
         if decision.moves:  # `carry_out`, made here: the load's path to `Module.to` stays short
             with self.recorder.evicting(f"room for {name}"):
                 for direction, moved in decision.moves:
-                    self.move(moved, direction, decision.overflow)
+                    if direction == KEEP:
+                        keep(self, moved, decision.kept[moved])
+                    else:
+                        self.move(moved, direction, decision.overflow)
+        if calls.depth:
+            self.streams.begin_use(name, calls.current.count(name) - 1)
         if self.transfer.pending:
             self.transfer.ready(placement.modules[name])
         if activations.measuring:
@@ -208,7 +214,10 @@ class Session:
         """The moves of `decision`, in order; its offloads' `cause` in the ledger."""
         with self.recorder.evicting(cause):
             for direction, name in decision.moves:
-                self.move(name, direction, decision.overflow)
+                if direction == KEEP:
+                    keep(self, name, decision.kept[name])
+                else:
+                    self.move(name, direction, decision.overflow)
 
     def stop_streams(self) -> None:
         """Every streaming component back on the host."""
@@ -329,10 +338,13 @@ class Session:
             for recorder in {id(s.recorder): s.recorder for s in [self] + sharing.running}.values():
                 causes.enter_context(recorder.caused(OUT_OF_MEMORY))
             self.streams.settle()
+            self.streams.smaller_rings = True  # its last rungs stream in less than a ring of three buffers
             try:
                 self.carry_out(decision)
             except torch.OutOfMemoryError:
                 logger.debug("A rung of an out-of-memory recovery ran out of device memory itself.")
+            finally:
+                self.streams.smaller_rings = False
         memory.release_cached(self.device)
         self.activations.open(self.device, self.held_bytes())
 
@@ -346,6 +358,20 @@ class Session:
         self.activations.recovered(name, held, within=allowed is None or failed_held <= allowed)
         if hasattr(self.policy, "limit_while"):
             self.policy.limit_while(name, held)
+
+
+def _facts(placement: Placement) -> Facts:
+    """What the policy is told with each event, read live from `placement` (sizes once armed: `decide_with`)."""
+    streams = placement.streams
+    return Facts(
+        Sizes(placement, None),
+        None,
+        placement.stream_rooms,
+        streams.held,
+        placement.block_facts,
+        streams.kept,
+        streams.runs,
+    )
 
 
 def session_of(pipe) -> Session:

@@ -33,7 +33,7 @@ tensors only, read from the tensors themselves, so that such a part goes home at
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -209,6 +209,21 @@ class HostCopy:
         self.host = []
         self.signature = None
         self.content = None
+
+    def split(self, groups: Mapping[str, Sequence[tuple]]) -> Dict[str, "HostCopy"]:
+        """This copy cut in one per group of slots (`groups`: a name -> `(sub-module, is_parameter, name)` triples,
+        a block's), each covering those slots alone; none is sealed (`seal` each whose device tensors are known to be
+        the host ones)."""
+        where = {(id(held.sub()), held.is_param, held.key): held for held in self.host}
+        found = {}
+        for name, only in groups.items():
+            part = HostCopy.__new__(HostCopy)
+            part.only = tuple(only)
+            part.host = [where[(id(sub), p, key)] for sub, p, key in part.only if (id(sub), p, key) in where]
+            part.complete = self.complete and all(at_home(host) for held in part.host for host in held.hosts)
+            part.signature, part.content, part.check, part.shared = None, None, self.check, self.shared
+            found[name] = part
+        return found
 
     @property
     def nbytes(self) -> int:

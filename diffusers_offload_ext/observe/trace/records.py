@@ -4,7 +4,7 @@ sources a record can come from, and their JSON form (format `diffusers-offload-t
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from ...ledger import CopiedBytes
 
@@ -97,6 +97,9 @@ class CallInfo:
             or `"none"`.
         replayed (`bool`): Its moves were replayed from stock's policy (not measured).
         uses (`List[ComponentUse]`): The component-call trace.
+        blocks (`Dict[str, dict]`): For each component that ran keeping only some of its blocks on the device (the
+            residency manager decides block by block), as it last ran in the call: `kept` (its blocks on the device),
+            `streamed` (those that passed through its ring) and `why`, the manager's reason in words.
         host (`dict` or `None`): Under a host budget (`host_memory_budget`), the pipeline's host bytes at the call's
             end: `budget`, `page_locked` (the staging ring included), `anonymous`, `file_backed`; `None` without one.
     """
@@ -109,6 +112,7 @@ class CallInfo:
     mode: str = "none"
     replayed: bool = False
     uses: List[ComponentUse] = dataclasses.field(default_factory=list)
+    blocks: Dict[str, dict] = dataclasses.field(default_factory=dict)
     host: Optional[dict] = None
 
 

@@ -201,3 +201,17 @@ class Tracer:
         component = self.view.owner.get(id(module))
         if component is not None:
             self.calls.leave(component)
+            if self.active and self.calls.info is not None and component not in self.calls.running:
+                self.blocks_of(component)
+
+    def blocks_of(self, component: str) -> None:
+        """`component` ran: where it keeps only some of its blocks, which, which streamed and why, for the call."""
+        session = self.session()
+        streams = session.streams if session is not None else None
+        if streams is None or component not in streams.active:
+            return
+        streamer, why = streams.active[component], streams.why
+        if streamer.streamed:
+            kept = [block.name for block in streamer.kept]
+            reason = why[component] if component in why else ""
+            self.calls.info.blocks[component] = {"kept": kept, "streamed": list(streamer.order), "why": reason}
