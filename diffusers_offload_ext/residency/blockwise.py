@@ -31,7 +31,7 @@ Kept = Dict[str, FrozenSet[str]]
 
 def block_mode(policy, facts: Facts) -> bool:
     """Whether `policy` decides block by block now: blocks are known and its offloaded components do not all fit."""
-    if not facts.blocks or policy.avail is None:
+    if policy.avail is None or not facts.blocks:  # without a budget first: a hot path (every hooked forward)
         return False
     return sum(policy.sizes[n] for n in policy.offloaded) > policy.avail
 
