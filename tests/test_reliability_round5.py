@@ -375,3 +375,43 @@ def test_dropped_bytes_count_the_evictions_that_copied_nothing(accelerator):
     assert summary["total_bytes"] == summary["onload_bytes"] + summary["offload_bytes"]
     sizes = {n: doe.module_nbytes(m) for n, m in components(pipe).items()}
     assert summary["dropped_bytes"] == 2 * sum(sizes.values())  # every component, unchanged, at both calls' ends
+
+
+# -- diffusers' own offload tests with an option forced ----------------------------------------------------------------
+class WithAGap(torch.nn.Module):
+    """Repeated layers in a `ModuleList` with `None` where one is left out (`AutoencoderKLMochi`'s blocks do this)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8), None, torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x if layer is None else layer(x)
+        return x
+
+
+@pytest.mark.parametrize("options", OPTION_SETS, ids=str)
+def test_a_module_list_holding_none_offloads_under_every_option(accelerator, options):
+    """diffusers' own offload test of `MochiPipeline` failed under `keep_on_device_between_generations` and a budget:
+    finding the blocks to stream read `None`'s parameters."""
+    from diffusers import DiffusionPipeline
+
+    class Gapped(DiffusionPipeline):
+        model_cpu_offload_seq = "model->vae"
+
+        def __init__(self, model, vae):
+            super().__init__()
+            self.register_modules(model=model, vae=vae)
+
+    torch.manual_seed(0)
+    pipe = Gapped(WithAGap().eval(), WithAGap().eval())
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = pipe.vae(pipe.model(x))
+    budget = {"memory_budget": doe.module_nbytes(pipe.model) // 2} if "memory_budget" in OPTION_SETS[options] else {}
+    pipe.enable_model_cpu_offload(device="cpu", **{**OPTION_SETS[options], **budget})
+    device = accelerator.device if accelerator is not None else "cpu"
+    with torch.no_grad():
+        for _ in range(2):  # a second call: what stayed between calls
+            assert max_abs_diff(pipe.vae(pipe.model(x.to(device))).cpu(), expected) == 0.0

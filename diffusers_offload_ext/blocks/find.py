@@ -82,7 +82,8 @@ def find_blocks(component: torch.nn.Module) -> List[Block]:
     entries = []
     for list_name, modules in _lists(component):
         for index, entry in enumerate(modules):
-            entries.append((f"{list_name}.{index}", entry))
+            if entry is not None:  # a `ModuleList` may hold `None` where a layer is left out (Mochi's VAE)
+                entries.append((f"{list_name}.{index}", entry))
     # Who refers to each tensor: an entry's tensor also reachable from elsewhere is shared.
     owners: Dict[int, set] = {}
     for name, entry in entries:
