@@ -156,3 +156,45 @@ def test_an_eager_hook_reaches_the_session_without_a_compiler_wrapper(monkeypatc
     pipe.enable_model_cpu_offload(device="cpu")
     tiny.run(pipe, NAME)
     assert found and not [f for f in found[0] if "/torch/_dynamo/" in f[0] or f[1] == "call"], found
+
+
+def _calls_in_a_steady_use(monkeypatch, **options) -> int:
+    """Python calls made inside the session's `use` of the transformer at a denoising step after the first (it is on
+    the device already: nothing to decide), the fewest over the second call's steps."""
+    from diffusers_offload_ext.runtime.session import Session
+
+    counts, real, counting = [], Session.use, []
+
+    def use(self, name):
+        if name != "transformer" or not counting:
+            return real(self, name)
+        calls = [0]
+
+        def profile(frame, event, arg):
+            if event == "call":
+                calls[0] += 1
+
+        sys.setprofile(profile)
+        try:
+            return real(self, name)
+        finally:
+            sys.setprofile(None)
+            counts.append(calls[0])
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Session, "use", use)  # before arming: the hook keeps the session's bound method
+        pipe = tiny.build(NAME)
+        pipe.enable_model_cpu_offload(device="cpu", **options)
+        tiny.run(pipe, NAME)
+        counting.append(True)
+        tiny.run(pipe, NAME)
+    assert len(counts) >= 2, counts
+    return min(counts[1:])
+
+
+def test_a_steady_use_with_components_kept_between_calls_costs_no_more_calls_than_stocks_chain(monkeypatch):
+    # The residency manager tells its forecasts and stock's shadow of a use only when a decision reads them
+    # (`ResidencyPolicy._catch_up`): with nothing to decide, its use is as short as the chain's.
+    chain = _calls_in_a_steady_use(monkeypatch)
+    kept = _calls_in_a_steady_use(monkeypatch, keep_on_device_between_generations=True)
+    assert kept <= chain, (kept, chain)

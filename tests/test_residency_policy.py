@@ -481,3 +481,50 @@ def test_the_old_keyword_names_are_gone(make, old):
     with pytest.raises(TypeError, match=f"unexpected keyword argument '{old}'"):
         make()
     assert not hasattr(ChainPolicy(order=["te"], chain=["te"], hooked=["te"]), old)
+
+
+class _ToldAtEveryUse(ResidencyPolicy):
+    """The manager as it was before its uses were told lazily: the forecasts and stock's shadow read (so told) after
+    every use."""
+
+    def on_use(self, name, resident, facts):
+        decision = super().on_use(name, resident, facts)
+        self.shadow  # noqa: B018 (the read tells it)
+        return decision
+
+
+def _told_state(policy):
+    shadow, forecast = policy.shadow, policy.forecaster.forecast
+    where = None if forecast is None else (tuple(forecast.events), forecast.pos)
+    return shadow.stock_moved, shadow.moved, frozenset(shadow.holds), shadow.fits, policy._uses_since_arm, where
+
+
+@SETTINGS
+@given(workload=workloads(max_events=16), keep_between=st.booleans(), zero_copy=st.booleans())
+def test_uses_told_lazily_decide_as_uses_told_at_once(workload, keep_between, zero_copy):
+    # A use that decides nothing only notes itself (`ResidencyPolicy._catch_up`); every decision, and the state the
+    # decisions read (read here after a call's last use, where a run of uses has been noted), must be those of a
+    # manager told at every use.
+    names, sizes, trace, budget = workload
+    last = {i for i, event in enumerate(trace[:-1]) if event != END and trace[i + 1] == END}  # a call's last use
+    runs = []
+    for kind in (ResidencyPolicy, _ToldAtEveryUse):
+        seen = []
+
+        def check(event, resident, made):
+            index = len(seen) - 1  # the first check is the arming's
+            seen.append((event, made, _told_state(policy) if index in last else None))
+
+        chain = [n for n in CHAIN if n in names]
+        policy = kind(
+            order=names,
+            chain=chain,
+            hooked=names,
+            sizes=sizes,
+            budget=budget,
+            keep_between=keep_between,
+            zero_copy=zero_copy,
+        )
+        step_through(policy, trace, sizes, budget, check)
+        runs.append((seen, _told_state(policy)))
+    assert runs[0] == runs[1]

@@ -165,7 +165,7 @@ def _run(module: torch.nn.Module, call, reads: Optional[bool], *args, **kwargs):
                     hook = module._hf_hook
                     # In eager code, our hook's methods without their compiler wrappers (`runtime/compiler.py`).
                     eager_code = frame_callback is not None and frame_callback() is None
-                    pre, post = _eager_methods(type(hook)) if eager_code else _NEITHER
+                    pre, post = (_unwrapped.get(type(hook)) or _eager_methods(type(hook))) if eager_code else _NEITHER
                     if pre is not None:
                         inputs, named = pre(hook, module, *args, **kwargs)
                     else:

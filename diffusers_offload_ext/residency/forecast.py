@@ -72,14 +72,17 @@ class Forecaster:
             model, (list(model) + [END]) * period, steady, self.cache.get(self._key("tables", model))
         )
 
-    def advance(self, name: str) -> None:
-        """`name` ran: move along the forecast, or drop it when the call went another way."""
+    def advance(self, name: str, times: int = 1) -> None:
+        """`name` ran `times` times in a row: move along the forecast, or drop it when the call went another way."""
         forecast = self.forecast
-        if forecast is not None:
-            if forecast.pos < len(forecast.events) and forecast.events[forecast.pos] == name:
-                forecast.pos += 1
-            else:
-                self.forecast = None
+        if forecast is None:
+            return
+        events, pos = forecast.events, forecast.pos
+        while times and pos < len(events) and events[pos] == name:
+            pos, times = pos + 1, times - 1
+        forecast.pos = pos
+        if times:
+            self.forecast = None
 
     def end_call(self, model: Tuple[str, ...], decisions_possible: bool) -> None:
         """A call ended: step over the forecast's `END`, or forecast afresh from `model` (the call that just ended)."""

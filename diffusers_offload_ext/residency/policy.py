@@ -34,6 +34,8 @@ BLOCK_TABLES = 4
 
 #: Up to this many offloaded components the eviction choice is exact (2**n resident sets); above, a greedy rule.
 MAX_EXACT = 8
+#: The most runs of uses noted before the forecasts and stock's shadow are told (uses outside any call add up).
+UNTOLD = 256
 
 
 class ResidencyPolicy(ComponentLimits, Policy):
@@ -102,11 +104,15 @@ class ResidencyPolicy(ComponentLimits, Policy):
         self.zero_copy = bool(zero_copy)
         self.dynamic_capacity = bool(dynamic_capacity)
         self.limits = {name: int(nbytes) for name, nbytes in (limits or {}).items()}
-        self.forecaster = Forecaster(None, self.keep_between, cache if cache is not None else {})
+        #: Uses not yet told to the forecasts and stock's shadow (`_catch_up`), as `[name, times in a row]`: a use
+        #: that decides nothing only notes it, and whatever reads them (`forecaster`, `block_forecaster`, `shadow`)
+        #: is told first.
+        self._untold: List[list] = []
+        self._forecaster = Forecaster(None, self.keep_between, cache if cache is not None else {})
         #: The forecast over blocks, when decisions are made block by block (`blockwise.py`) and they are few.
-        self.block_forecaster = Forecaster(None, self.keep_between, {}, BLOCK_TABLES)
+        self._block_forecaster = Forecaster(None, self.keep_between, {}, BLOCK_TABLES)
         self._resize()
-        self.shadow = StockShadow(self.chain, self.hooked, self.zero_copy)
+        self._shadow = StockShadow(self.chain, self.hooked, self.zero_copy)
         self._version = self.calls.version
         self._uses_since_arm = 0
         #: Components streaming beside the resident ones that ran in this call, predicted to run no more in it.
@@ -115,7 +121,28 @@ class ResidencyPolicy(ComponentLimits, Policy):
         self.carried: Set[str] = set()
         self._start_forecast()
         for name in self.calls.current:
-            self._advance(name)
+            self._untold.append([name, 1])
+
+    @property
+    def forecaster(self) -> Forecaster:
+        """The forecast over components, told every use so far."""
+        if self._untold:
+            self._catch_up()
+        return self._forecaster
+
+    @property
+    def block_forecaster(self) -> Forecaster:
+        """The forecast over blocks, when decisions are made block by block (`blockwise.py`), told every use so far."""
+        if self._untold:
+            self._catch_up()
+        return self._block_forecaster
+
+    @property
+    def shadow(self) -> StockShadow:
+        """Stock's chain on the same uses (the bound on the bytes moved), told every use so far."""
+        if self._untold:
+            self._catch_up()
+        return self._shadow
 
     @property
     def config(self) -> tuple:
@@ -131,6 +158,7 @@ class ResidencyPolicy(ComponentLimits, Policy):
 
     # -- the protocol ---------------------------------------------------------------------------------------------
     def on_call_start(self, calls: CallTracker) -> Decision:
+        self._catch_up()
         self.beside.clear()  # what stayed of them between calls is `carried`
         if calls.version != self._version or self._uses_since_arm:
             self._version = calls.version
@@ -139,7 +167,21 @@ class ResidencyPolicy(ComponentLimits, Policy):
         return NOTHING
 
     def on_use(self, name: str, resident: AbstractSet[str], facts: Facts) -> Decision:
-        self._advance(name)
+        untold = self._untold
+        if untold and untold[-1][0] == name:
+            untold[-1][1] += 1  # a run of one component's uses (a denoiser's steps) is one entry
+        else:
+            untold.append([name, 1])
+        if (
+            self.avail is None
+            and name in resident
+            and name not in self.limits
+            and name not in self.beside
+            and name not in self.carried
+            and len(untold) < UNTOLD
+        ):
+            return NOTHING  # on the device, no budget to keep: nothing to decide (a hot path: every hooked forward)
+        self._catch_up()
         if name in self.hooked and block_mode(self, facts):
             # A stream an out-of-memory recovery started stays as it is for the rest of the call (as run again now).
             return NOTHING if self.is_streaming(name) else use_in_blocks(self, name, resident, facts)
@@ -180,6 +222,7 @@ class ResidencyPolicy(ComponentLimits, Policy):
         return Decision.of(moves, overflow)
 
     def on_enable(self, resident: AbstractSet[str], facts: Facts) -> Decision:
+        self._catch_up()
         self.beside.clear()
         self.carried.clear()
         self._uses_since_arm = 0
@@ -188,6 +231,7 @@ class ResidencyPolicy(ComponentLimits, Policy):
         return self._arm(resident, facts)
 
     def on_call_end(self, resident: AbstractSet[str], facts: Facts) -> Decision:
+        self._catch_up()
         self.carried = (self.carried | self.beside) if self.keep_between else set()
         self.beside.clear()
         self._uses_since_arm = 0
@@ -215,11 +259,16 @@ class ResidencyPolicy(ComponentLimits, Policy):
         return Decision.of(moves)
 
     # -- bookkeeping ------------------------------------------------------------------------------------------------
-    def _advance(self, name: str) -> None:
-        self._uses_since_arm += 1
-        self.shadow.use(name, self.sizes, self.avail)
-        self.forecaster.advance(name)
-        self.block_forecaster.advance(name)
+    def _catch_up(self) -> None:
+        """Tell the forecasts and stock's shadow the uses noted since they were last told, in order."""
+        if not self._untold:
+            return
+        untold, self._untold = self._untold, []
+        for name, times in untold:
+            self._uses_since_arm += times
+            self._shadow.use(name, self.sizes, self.avail)  # the same again in a row changes nothing in stock's chain
+            self._forecaster.advance(name, times)
+            self._block_forecaster.advance(name, times)
 
     def _decisions_possible(self) -> bool:
         fits = self.avail is None or sum(self.sizes[n] for n in self.offloaded) <= self.avail
@@ -230,16 +279,18 @@ class ResidencyPolicy(ComponentLimits, Policy):
         self.block_forecaster.start(self.model, True)
 
     def _resize(self) -> None:
+        self._catch_up()
         stays_bytes = sum(self.sizes[n] for n in self.stays if n in self.sizes)
         self.avail = None if self.budget is None else max(int(self.budget) - stays_bytes, 0)
         self.universe = Universe(self.offloaded, self.sizes, self.avail) if self.exact else None
-        self.forecaster.universe = self.universe
-        self.forecaster.forecast = None
+        self._forecaster.universe = self.universe
+        self._forecaster.forecast = None
 
     def _measure(self, facts: Facts, names: List[str]) -> None:
         """Take the components' current sizes; when one changed, the forecast's tables are stale."""
         changed = [n for n in names if n in facts.sizes and int(facts.sizes[n]) != self.sizes.get(n)]
         if changed:
+            self._catch_up()  # the uses before were at the sizes then
             self.sizes.update({n: int(facts.sizes[n]) for n in changed})
             self._resize()
 

@@ -123,7 +123,8 @@ class Session:
             self.transfer.book.refresh(placement.modules[name], entry)
         if placement.stream_room_stale(name):
             placement.measure_streams([name])  # its blocks changed: so may the room it streams in
-        self._stop_others_streams(name)  # this pipeline runs it: it places it
+        if placement.shared(name):
+            self._stop_others_streams(name)  # this pipeline runs it: it places it
         calls = self.calls
         if calls.depth:
             calls.current.append(name)
