@@ -1,15 +1,22 @@
-"""The simulated accelerator lives in the package (`diffusers_offload_ext/testing/simulated_accelerator.py`); the
-suite loads that one file by path, so that it works where the package is not installed (`--offload-impl=patched`)."""
+"""The simulated accelerator lives in the package (`diffusers_offload_ext/testing/simulated_accelerator.py` and its
+part, `simulated_tensors.py`); the suite loads those files by path, so that it works where the package is not
+installed (`--offload-impl=patched`)."""
 
 import importlib.util
 import pathlib
 import sys
 
-_path = (
-    pathlib.Path(__file__).resolve().parent.parent / "diffusers_offload_ext" / "testing" / "simulated_accelerator.py"
-)
-_spec = importlib.util.spec_from_file_location("_simulated_accelerator", _path)
-_module = importlib.util.module_from_spec(_spec)
-sys.modules["_simulated_accelerator"] = _module
-_spec.loader.exec_module(_module)
+_here = pathlib.Path(__file__).resolve().parent.parent / "diffusers_offload_ext" / "testing"
+
+
+def _load(name: str, filename: str):
+    spec = importlib.util.spec_from_file_location(name, _here / filename)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_load("_simulated_tensors", "simulated_tensors.py")  # what simulated_accelerator.py imports outside the package
+_module = _load("_simulated_accelerator", "simulated_accelerator.py")
 globals().update({k: v for k, v in vars(_module).items() if not k.startswith("__")})

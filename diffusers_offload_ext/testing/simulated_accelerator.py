@@ -14,11 +14,15 @@ last device tensor that holds it dies or leaves the device.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
-from torch.overrides import TorchFunctionMode, resolve_name
-from torch.utils import _pytree
+from torch.overrides import TorchFunctionMode
+
+try:
+    from . import simulated_tensors as walk
+except ImportError:  # loaded by path, outside the package (`tests/simulated_accelerator.py` loads its part first)
+    import _simulated_tensors as walk
 
 DEVICE = torch.device("cpu", 0)
 HOST = torch.device("cpu")
@@ -163,10 +167,10 @@ class SimulatedAccelerator(TorchFunctionMode):
             inputs = args
         on_device, host = self._scan(inputs)
         if on_device and host is not None:
-            raise _mixing_error(func, host)
+            raise walk.mixing_error(func, host, DEVICE)
         result = func(*args, **kwargs)
         if on_device:
-            for out in _outputs(result, inputs):
+            for out in walk.outputs_of(result, inputs):
                 self._tag(out)
         return result
 
@@ -182,8 +186,10 @@ class SimulatedAccelerator(TorchFunctionMode):
             self._tags[key] = ref
         elif self.capacity is not None:
             ref.held = self._hold(tensor, ref.held)  # `param.data = other`: the object now holds another storage
-        if inner and type(tensor) not in _PLAIN:
-            for part in _inner(tensor):  # made inside the subclass's dispatch, where this mode does not look
+        if inner and type(tensor) not in walk.PLAIN:
+            for part in walk.inner_tensors(
+                tensor
+            ):  # made inside the subclass's dispatch, where this mode does not look
                 self._tag(part)
 
     def _set_tag(self, tensor: torch.Tensor, on_device: bool, inner: bool = True) -> None:
@@ -201,7 +207,7 @@ class SimulatedAccelerator(TorchFunctionMode):
     def _hold(self, tensor: torch.Tensor, held: Optional[int]) -> Optional[int]:
         """Count the storage behind `tensor` (once per storage, however many tensors view it), given the one its tag
         counted so far; returns the storage's address. Raises `torch.OutOfMemoryError` past the capacity."""
-        if _is_wrapper(tensor):
+        if walk.is_wrapper(tensor):
             return None  # a wrapper subclass holds no storage of its own: its inner tensors are counted
         try:
             with torch._C.DisableTorchFunction():
@@ -247,17 +253,17 @@ class SimulatedAccelerator(TorchFunctionMode):
         for arg in inputs:
             if isinstance(arg, _Tensor):
                 ref = tags.get(id(arg))
-                wrapper = type(arg) not in _PLAIN and _is_wrapper(arg)
+                wrapper = type(arg) not in walk.PLAIN and walk.is_wrapper(arg)
                 if ref is not None and ref() is arg:
                     on_device = True
                 elif host is None and arg.dim() and not wrapper:  # a wrapper is where its inner tensors are
                     host = arg
                 if wrapper:  # its inner tensors are inputs too
-                    inside_on_device, inside_host = self._scan(tuple(_inner(arg)))
+                    inside_on_device, inside_host = self._scan(tuple(walk.inner_tensors(arg)))
                     on_device = on_device or inside_on_device
                     host = host if host is not None else inside_host
             elif isinstance(arg, (list, tuple, dict)) and arg:  # the slow path: tensors in containers
-                return self._scan(tuple(_tensors(inputs)))
+                return self._scan(tuple(walk.tensors_in(inputs)))
         return on_device, host
 
     def _placed(self, func, args: tuple, kwargs: dict):
@@ -267,7 +273,10 @@ class SimulatedAccelerator(TorchFunctionMode):
             kwargs = {**kwargs, "device": HOST}
         result = func(*args, **kwargs)
         if isinstance(result, _Tensor):
-            if any(self.is_on_device(t) != want and _aliases(result, t) for t in _tensors((*args, *kwargs.values()))):
+            if any(
+                self.is_on_device(t) != want and walk.aliases(result, t)
+                for t in walk.tensors_in((*args, *kwargs.values()))
+            ):
                 result = result.clone()  # as_tensor(t, device=...) hands back t itself
             self._set_tag(result, want)
         return result
@@ -281,19 +290,21 @@ class SimulatedAccelerator(TorchFunctionMode):
             if on_device and result is not src:
                 self._tag(result)
             return result
-        if type(result) not in _PLAIN and _is_wrapper(
+        if type(result) not in walk.PLAIN and walk.is_wrapper(
             result
         ):  # copies of its inner tensors (its `clone` may not keep it)
-            result = _separate(src, result)
-        elif _aliases(result, src):
+            result = walk.separate_inner(src, result)
+        elif walk.aliases(result, src):
             result = result.clone()  # torch did not copy: on an accelerator it would have
         self._set_tag(result, target)
         self._count(target, result, src, op)
         return result
 
     def _count(self, to_device: bool, result: torch.Tensor, src: torch.Tensor, op: str) -> None:
-        if type(result) not in _PLAIN and _is_wrapper(result):  # its inner tensors crossed, not its dequantized size
-            nbytes = sum(t.numel() * t.element_size() for t in _inner(result) if not _is_wrapper(t))
+        if type(result) not in walk.PLAIN and walk.is_wrapper(
+            result
+        ):  # its inner tensors crossed, not its dequantized size
+            nbytes = sum(t.numel() * t.element_size() for t in walk.inner_tensors(result) if not walk.is_wrapper(t))
         else:
             nbytes = result.numel() * result.element_size()
         self._copies.append(Transfer("h2d" if to_device else "d2h", nbytes, isinstance(src, torch.nn.Parameter), op))
@@ -353,7 +364,7 @@ class SimulatedAccelerator(TorchFunctionMode):
         if not on_device:
             for idx in index if isinstance(index, (tuple, list)) else (index,):
                 if isinstance(idx, _Tensor) and idx.dim() and self.is_on_device(idx):
-                    raise _mixing_error(func, tensor)
+                    raise walk.mixing_error(func, tensor, DEVICE)
         return self._follows_self(func, args, kwargs)
 
     def _index_put(self, func, args: tuple, kwargs: dict):
@@ -364,7 +375,7 @@ class SimulatedAccelerator(TorchFunctionMode):
         on_device = self.is_on_device(tensor)
         if isinstance(values, _Tensor) and self.is_on_device(values) != on_device:
             if not on_device or values.dim():
-                raise _mixing_error(func, values if on_device else tensor)
+                raise walk.mixing_error(func, values if on_device else tensor, DEVICE)
         return self._follows_self(func, args, kwargs)
 
     def _follows_self(self, func, args: tuple, kwargs: dict):
@@ -396,89 +407,11 @@ class SimulatedAccelerator(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-#: Types that are never wrapper subclasses (the fast path of `_tag` and `_scan`).
-_PLAIN = frozenset((_Tensor, torch.nn.Parameter))
 _SWAP_TENSORS = torch.utils.swap_tensors
-#: Wrappers nest (a torchao tensor inside another): deeper than this is not looked into.
-_MAX_DEPTH = 4
-
-
-def _is_wrapper(tensor: torch.Tensor) -> bool:
-    """A subclass that holds its data in inner tensors (`__tensor_flatten__`), not in a storage of its own."""
-    return callable(getattr(type(tensor), "__tensor_flatten__", None))
-
-
-def _inner(tensor: torch.Tensor, depth: int = 0) -> Iterator[torch.Tensor]:
-    """The inner tensors of a wrapper subclass (nested wrappers' too, to `_MAX_DEPTH`); nothing for other tensors."""
-    if depth >= _MAX_DEPTH or not _is_wrapper(tensor):
-        return
-    names, _ = tensor.__tensor_flatten__()
-    for name in names:
-        part = getattr(tensor, name, None)
-        if isinstance(part, _Tensor):
-            yield part
-            yield from _inner(part, depth + 1)
-
-
-def _separate(src: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    """A wrapper subclass moved across the simulated bus, with inner tensors of its own: torch ran the move on the
-    host, where the subclass's inner `.to()` hands back the source's own inner tensors, which an accelerator would have
-    copied (the source keeps its place). Rebuilt with copies of those through `__tensor_unflatten__`."""
-    names, context = result.__tensor_flatten__()
-    sources = list(_inner(src))
-    inner, shared = {}, False
-    for name in names:
-        part = getattr(result, name)
-        if any(_aliases(part, other) for other in sources if not _is_wrapper(other) and not _is_wrapper(part)):
-            part, shared = part.clone(), True
-        inner[name] = part
-    if not shared:
-        return result
-    return type(result).__tensor_unflatten__(inner, context, result.shape, result.stride())
 
 
 def _is_device(device) -> bool:
     return (device if isinstance(device, torch.device) else torch.device(device)) == DEVICE
-
-
-def _aliases(result: torch.Tensor, src: torch.Tensor) -> bool:
-    try:
-        return result is src or result.data_ptr() == src.data_ptr()
-    except RuntimeError:  # no data pointer (sparse, ...)
-        return result is src
-
-
-def _tensors(inputs: tuple) -> Iterator[torch.Tensor]:
-    """The tensors among ``inputs`` and in their lists/tuples/dicts; pytree only for nesting below the first level."""
-    for arg in inputs:
-        if isinstance(arg, _Tensor):
-            yield arg
-        elif isinstance(arg, (list, tuple)):
-            for item in arg:
-                if isinstance(item, _Tensor):
-                    yield item
-                elif isinstance(item, (list, tuple, dict)):
-                    yield from (x for x in _pytree.tree_leaves(item) if isinstance(x, _Tensor))
-        elif isinstance(arg, dict):
-            yield from (x for x in _pytree.tree_leaves(arg) if isinstance(x, _Tensor))
-
-
-def _outputs(result, inputs: tuple) -> Iterator[torch.Tensor]:
-    """The tensors ``result`` holds that are not inputs handed back (in-place ops keep their own place)."""
-    for out in (result,) if isinstance(result, _Tensor) else result if isinstance(result, (list, tuple)) else ():
-        if isinstance(out, _Tensor) and not any(out is x for x in inputs):
-            yield out
-
-
-def _mixing_error(func, host: torch.Tensor) -> RuntimeError:
-    try:
-        name = resolve_name(func) or repr(func)
-    except Exception:  # resolve_name is best effort
-        name = repr(func)
-    return RuntimeError(
-        f"Expected all tensors to be on the same device, but found at least two devices, {DEVICE} (simulated "
-        f"accelerator) and cpu! (in {name}: a host tensor of shape {tuple(host.shape)} met tensors on the device)"
-    )
 
 
 _S = SimulatedAccelerator
