@@ -9,7 +9,8 @@ import sys
 _here = pathlib.Path(__file__).resolve().parent.parent / "diffusers_offload_ext" / "testing"
 
 
-def _load(name: str, filename: str):
+def load_by_path(name: str, filename: str):
+    """Module `name` from the package's `testing/filename`, without importing the package."""
     spec = importlib.util.spec_from_file_location(name, _here / filename)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -17,6 +18,6 @@ def _load(name: str, filename: str):
     return module
 
 
-_load("_simulated_tensors", "simulated_tensors.py")  # what simulated_accelerator.py imports outside the package
-_module = _load("_simulated_accelerator", "simulated_accelerator.py")
+load_by_path("_simulated_tensors", "simulated_tensors.py")  # what simulated_accelerator.py imports outside the package
+_module = load_by_path("_simulated_accelerator", "simulated_accelerator.py")
 globals().update({k: v for k, v in vars(_module).items() if not k.startswith("__")})

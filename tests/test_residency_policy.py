@@ -71,9 +71,9 @@ def pipeline_calls(draw):
     return names, chain, call, sizes, budget
 
 
-def manager(names, sizes, budget, keep_between=True, zero_copy=True, chain=None):
+def manager(names, sizes, budget, keep_between=True, zero_copy=True, chain=None, kind=None):
     chain = [n for n in CHAIN if n in names] if chain is None else chain
-    return ResidencyPolicy(
+    return (kind or ResidencyPolicy)(
         order=names,
         chain=chain,
         hooked=names,
@@ -515,16 +515,7 @@ def test_uses_told_lazily_decide_as_uses_told_at_once(workload, keep_between, ze
             index = len(seen) - 1  # the first check is the arming's
             seen.append((event, made, _told_state(policy) if index in last else None))
 
-        chain = [n for n in CHAIN if n in names]
-        policy = kind(
-            order=names,
-            chain=chain,
-            hooked=names,
-            sizes=sizes,
-            budget=budget,
-            keep_between=keep_between,
-            zero_copy=zero_copy,
-        )
+        policy = manager(names, sizes, budget, keep_between, zero_copy, kind=kind)
         step_through(policy, trace, sizes, budget, check)
         runs.append((seen, _told_state(policy)))
     assert runs[0] == runs[1]
