@@ -453,3 +453,25 @@ def test_the_signature_the_adapter_the_docstring_and_the_readme_are_the_options_
         assert f"{option.name} ({option.types}, *optional*, defaults to {option.default}):" in doc
     begin = "<!-- options table: made from diffusers_offload_ext/runtime/options.py by tools/options_table.py -->"
     assert f"{begin}\n{options.markdown_table()}\n<!-- end of the options table -->" in README.read_text()
+
+
+def test_the_layout_in_contributing_has_one_line_per_module_of_each_folder_it_draws():
+    # CONTRIBUTING.md draws the package one line per file for the wiring and the features (observe/, models/, cli/
+    # and testing/ are drawn one line each); a module added without its line, or a line left for one gone, fails.
+    text = (PACKAGE.parent / "CONTRIBUTING.md").read_text()
+    tree = text.split("## Layout", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    drawn, folder = {}, ""
+    for line in tree.splitlines()[1:]:
+        match = re.match(r"( *)(\S+)\s*(.*)", line)
+        if match is None:
+            continue
+        indent, name, idea = len(match.group(1)), match.group(2), match.group(3)
+        if name.endswith("/"):
+            folder = name if indent == 2 else folder
+            continue
+        drawn[(folder if indent == 4 else "") + name] = idea
+    whole = ("observe/", "models/", "cli/", "testing/")
+    files = {relative(p) for p in modules() if not relative(p).startswith(whole)}
+    assert set(drawn) == files, (sorted(files - set(drawn)), sorted(set(drawn) - files))
+    pure = {name for name, idea in drawn.items() if idea.endswith("(pure)")}
+    assert pure == {name for name in PURE if not name.startswith(whole)}, sorted(pure ^ PURE)
