@@ -1,6 +1,6 @@
 """The simulated accelerator lives in the package (`diffusers_offload_ext/testing/simulated_accelerator.py` and its
-part, `simulated_tensors.py`); the suite loads those files by path, so that it works where the package is not
-installed (`--offload-impl=patched`)."""
+parts, `simulated_tensors.py` and `simulated_memory.py`); the suite loads those files by path, so that it works where
+the package is not installed (`--offload-impl=patched`)."""
 
 import importlib.util
 import pathlib
@@ -19,5 +19,6 @@ def load_by_path(name: str, filename: str):
 
 
 load_by_path("_simulated_tensors", "simulated_tensors.py")  # what simulated_accelerator.py imports outside the package
+load_by_path("_simulated_memory", "simulated_memory.py")
 _module = load_by_path("_simulated_accelerator", "simulated_accelerator.py")
 globals().update({k: v for k, v in vars(_module).items() if not k.startswith("__")})

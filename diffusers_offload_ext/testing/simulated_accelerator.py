@@ -21,8 +21,10 @@ from torch.overrides import TorchFunctionMode
 
 try:
     from . import simulated_tensors as walk
+    from .simulated_memory import StorageCounts
 except ImportError:  # loaded by path, outside the package (`tests/simulated_accelerator.py` loads its part first)
     import _simulated_tensors as walk
+    from _simulated_memory import StorageCounts
 
 DEVICE = torch.device("cpu", 0)
 HOST = torch.device("cpu")
@@ -45,7 +47,7 @@ class _Tag(weakref.ref):
     __slots__ = ("key", "held")
 
 
-class SimulatedAccelerator(TorchFunctionMode):
+class SimulatedAccelerator(StorageCounts, TorchFunctionMode):
     """Within ``with SimulatedAccelerator() as sim:``, tensors moved to ``sim.device`` (``cpu:0``) report that device,
     moves to and from it copy, and an op mixing device and host tensors raises as on CUDA. Not reentrant.
 
@@ -61,12 +63,7 @@ class SimulatedAccelerator(TorchFunctionMode):
         self._tags: dict[int, _Tag] = {}  # id(tensor) -> weak reference; per object, never per storage address
         self._copies: list[Transfer] = []
         self._forget_callback = self._forget  # one bound method for all the weak references
-        self.capacity = capacity
-        self._storages: dict[int, list] = {}  # storage address -> [bytes, device tensors holding it]
-        #: Bytes of device memory held now, the most held since `reset_peak()`, and the out-of-memory errors raised.
-        self.allocated_bytes = 0
-        self.peak_bytes = 0
-        self.out_of_memory_errors = 0
+        self._start_counts(capacity)
 
     @property
     def device(self) -> torch.device:
@@ -88,10 +85,6 @@ class SimulatedAccelerator(TorchFunctionMode):
 
     def reset_counters(self) -> None:
         self._copies.clear()
-
-    def reset_peak(self) -> None:
-        """`peak_bytes` starts again from what is held now (`torch.cuda.reset_peak_memory_stats`)."""
-        self.peak_bytes = self.allocated_bytes
 
     def is_on_device(self, tensor: torch.Tensor) -> bool:
         ref = self._tags.get(id(tensor))
@@ -204,48 +197,11 @@ class SimulatedAccelerator(TorchFunctionMode):
             del self._tags[ref.key]
 
     # -- device memory (with a capacity) ------------------------------------------------------------------------------
-    def _hold(self, tensor: torch.Tensor, held: Optional[int]) -> Optional[int]:
-        """Count the storage behind `tensor` (once per storage, however many tensors view it), given the one its tag
-        counted so far; returns the storage's address. Raises `torch.OutOfMemoryError` past the capacity."""
-        if walk.is_wrapper(tensor):
-            return None  # a wrapper subclass holds no storage of its own: its inner tensors are counted
-        try:
-            with torch._C.DisableTorchFunction():
-                storage = tensor.untyped_storage()
-                address, nbytes = storage.data_ptr(), storage.nbytes()
-        except (RuntimeError, NotImplementedError):  # no storage to count (sparse, ...)
-            return None
-        if address == held:
-            return held
-        entry = self._storages.get(address)
-        if entry is None:
-            if self.allocated_bytes + nbytes > self.capacity:
-                self.out_of_memory_errors += 1
-                raise torch.OutOfMemoryError(
-                    f"Simulated accelerator out of memory. Tried to allocate {nbytes} bytes; {self.allocated_bytes} "
-                    f"of its {self.capacity} bytes are allocated."
-                )
-            entry = self._storages[address] = [nbytes, 0]
-            self.allocated_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
-        entry[1] += 1
-        self._drop_hold(held)
-        return address
-
     def _release(self, ref: _Tag) -> None:
         held = getattr(ref, "held", None)
         if held is not None:
             ref.held = None
             self._drop_hold(held)
-
-    def _drop_hold(self, address: Optional[int]) -> None:
-        entry = self._storages.get(address) if address is not None else None
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] <= 0:
-            del self._storages[address]
-            self.allocated_bytes -= entry[0]
 
     def _scan(self, inputs: tuple) -> tuple[bool, Optional[torch.Tensor]]:
         """(some input is on the device, the first host input that cannot mix with it (dim >= 1) or None)."""
