@@ -38,6 +38,19 @@ MAX_EXACT = 8
 UNTOLD = 256
 
 
+class _Told:
+    """An attribute of the policy that its noted uses must reach before it is read (`ResidencyPolicy._catch_up`)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.stored = f"_{name}"
+
+    def __get__(self, policy, owner=None):
+        if policy is None:
+            return self
+        policy._catch_up()
+        return policy.__dict__[self.stored]
+
+
 class ResidencyPolicy(ComponentLimits, Policy):
     """Keep components on the device within a memory budget; evict what the predicted future needs least.
 
@@ -123,26 +136,11 @@ class ResidencyPolicy(ComponentLimits, Policy):
         for name in self.calls.current:
             self._untold.append([name, 1])
 
-    @property
-    def forecaster(self) -> Forecaster:
-        """The forecast over components, told every use so far."""
-        if self._untold:
-            self._catch_up()
-        return self._forecaster
-
-    @property
-    def block_forecaster(self) -> Forecaster:
-        """The forecast over blocks, when decisions are made block by block (`blockwise.py`), told every use so far."""
-        if self._untold:
-            self._catch_up()
-        return self._block_forecaster
-
-    @property
-    def shadow(self) -> StockShadow:
-        """Stock's chain on the same uses (the bound on the bytes moved), told every use so far."""
-        if self._untold:
-            self._catch_up()
-        return self._shadow
+    #: The forecast over components, over blocks (when decisions are made block by block, `blockwise.py`), and stock's
+    #: chain on the same uses (the bound on the bytes moved): each told every use noted so far before it is read.
+    forecaster = _Told()
+    block_forecaster = _Told()
+    shadow = _Told()
 
     @property
     def config(self) -> tuple:
@@ -279,7 +277,6 @@ class ResidencyPolicy(ComponentLimits, Policy):
         self.block_forecaster.start(self.model, True)
 
     def _resize(self) -> None:
-        self._catch_up()
         stays_bytes = sum(self.sizes[n] for n in self.stays if n in self.sizes)
         self.avail = None if self.budget is None else max(int(self.budget) - stays_bytes, 0)
         self.universe = Universe(self.offloaded, self.sizes, self.avail) if self.exact else None
